@@ -1,0 +1,302 @@
+"""Configuration: one small dataclass per component, validated on construction, YAML in and out.
+
+Every check names the field it rejects and says how to fix it, because a bad value found an hour into a
+multi-region run costs the whole run. Presets live in `presets.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+COMPRESSIONS = ("none", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+MODES = ("diloco", "ddp", "single")
+_REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape of the Llama decoder (`transformers.LlamaConfig`)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 344
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    """Grouped-query attention heads; None = num_heads (multi-head attention)."""
+    vocab_size: int | None = None
+    """None = the tokenizer's vocabulary, rounded up to a multiple of 64 (faster matmuls)."""
+    tie_embeddings: bool = True
+    """Share input embedding and output head: halves the embedding parameters of small models."""
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            _require(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        _require(
+            self.hidden_size % self.num_heads == 0,
+            "model.hidden_size",
+            f"must be divisible by model.num_heads ({self.hidden_size} % {self.num_heads} != 0)",
+        )
+        kv = self.num_kv_heads or self.num_heads
+        _require(
+            kv > 0 and self.num_heads % kv == 0,
+            "model.num_kv_heads",
+            f"must divide model.num_heads={self.num_heads}, got {self.num_kv_heads}",
+        )
+        _require(self.vocab_size is None or self.vocab_size > 0, "model.vocab_size", "must be positive or null")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the training and held-out text comes from and how it is cut into windows."""
+
+    path: str | None = None
+    """None = the embedded C4 sample; else a local dir, a glob, or an s3:// gs:// hf:// dir or glob."""
+    hf_dataset: str | None = None
+    """A Hugging Face dataset id (e.g. allenai/c4) streamed through `datasets`; exclusive with `path`."""
+    hf_config: str | None = "en"
+    eval_path: str | None = None
+    """Held-out set: a path or glob; None = the embedded held-out shard."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer name or local dir; None = the bundled GPT-2 BPE."""
+    seq_len: int = 128
+    batch_size: int = 8
+    """Windows per micro-batch per worker."""
+    docs_per_pack_batch: int = 256
+    """Documents tokenized and packed together: the tail of each pack batch (< seq_len tokens) is dropped."""
+    eval_windows: int = 64
+    read_num_cpus: float = 0.25
+    """CPUs each Ray Data read/map task asks for: the train workers hold the rest of the node."""
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
+        _require(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
+        _require(self.docs_per_pack_batch >= 1, "data.docs_per_pack_batch", "must be >= 1")
+        _require(self.eval_windows >= 1, "data.eval_windows", "must be >= 1")
+        _require(self.read_num_cpus > 0, "data.read_num_cpus", "must be > 0 (fractions are fine)")
+        _require(
+            not (self.path and self.hf_dataset),
+            "data.path",
+            "give either data.path (files) or data.hf_dataset (a streamed dataset id), not both",
+        )
+
+
+@dataclass(kw_only=True)
+class InnerOptConfig:
+    """AdamW run by every worker for H steps between outer steps."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 10
+    schedule: str = "cosine"
+    """'cosine' (to min_lr_ratio × lr at the last inner step of the run) or 'constant' after warmup."""
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    grad_accum: int = 1
+    precision: str = "auto"
+    """'auto' = bf16 autocast on GPU, fp32 on CPU; 'fp16' uses a GradScaler."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")
+        _require(self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1", "betas must lie in [0, 1)")
+        _require(self.warmup_steps >= 0, "inner.warmup_steps", "must be >= 0")
+        _require(self.schedule in ("cosine", "constant"), "inner.schedule", "must be 'cosine' or 'constant'")
+        _require(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", "must lie in [0, 1]")
+        _require(self.grad_clip >= 0, "inner.grad_clip", "must be >= 0 (0 disables clipping)")
+        _require(self.grad_accum >= 1, "inner.grad_accum", f"must be >= 1, got {self.grad_accum}")
+        _require(self.precision in PRECISIONS, "inner.precision", f"must be one of {PRECISIONS}")
+
+
+@dataclass(kw_only=True)
+class OuterConfig:
+    """DiLoCo's outer loop: Nesterov SGD on the averaged pseudo-gradient, every `inner_steps`."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    inner_steps: int = 20
+    """H: inner steps between two outer steps (the DiLoCo paper uses 500)."""
+    compression: str = "fp16"
+    """Codec of pseudo-gradients on the wire between regions; accumulation is always fp32."""
+    matchmaking_seconds: float = 5.0
+    """How long a round waits for the other regions before it goes on with those present."""
+    averaging_timeout: float = 120.0
+    """Upper bound of one cross-region all-reduce."""
+    initial_peers: list[str] = field(default_factory=list)
+    """Hivemind multiaddrs of a running region: join a run started from another Ray cluster."""
+    host: str = "127.0.0.1"
+    """Address the Hivemind node listens on; use 0.0.0.0 (and an announced address) across machines."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "outer.lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.momentum < 1, "outer.momentum", f"must lie in [0, 1), got {self.momentum}")
+        _require(
+            not self.nesterov or self.momentum > 0, "outer.nesterov", "Nesterov needs outer.momentum > 0"
+        )
+        _require(self.inner_steps >= 1, "outer.inner_steps", f"must be >= 1, got {self.inner_steps}")
+        _require(self.compression in COMPRESSIONS, "outer.compression", f"must be one of {COMPRESSIONS}")
+        _require(self.matchmaking_seconds > 0, "outer.matchmaking_seconds", "must be > 0")
+        _require(
+            self.averaging_timeout > self.matchmaking_seconds,
+            "outer.averaging_timeout",
+            "must exceed outer.matchmaking_seconds (the round needs time after matchmaking)",
+        )
+
+
+@dataclass(kw_only=True)
+class RegionConfig:
+    """One region: one model replica trained by `workers` FSDP2 ranks."""
+
+    name: str
+    workers: int = 1
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.cpus_per_worker, self.gpus_per_worker = float(self.cpus_per_worker), float(self.gpus_per_worker)
+        _require(
+            bool(_REGION_NAME.match(self.name)),
+            "regions[].name",
+            f"{self.name!r} must be lowercase letters, digits and '-', at most 31 characters",
+        )
+        _require(self.workers >= 1, f"regions[{self.name}].workers", f"must be >= 1, got {self.workers}")
+        _require(self.cpus_per_worker > 0, f"regions[{self.name}].cpus_per_worker", "must be > 0")
+        _require(self.gpus_per_worker >= 0, f"regions[{self.name}].gpus_per_worker", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The run as a whole: how long, which mode, where the results go."""
+
+    name: str = "diloco"
+    """Run id: scopes Hivemind matchmaking (two runs on one DHT never mix) and names the output."""
+    mode: str = "diloco"
+    outer_steps: int = 5
+    """T: number of outer steps; the run trains T × H inner steps per region."""
+    seed: int = 0
+    output_dir: str = "runs"
+    """The run writes to output_dir/name/ (summary.json, Ray Train storage)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", self.name)),
+            "run.name",
+            f"{self.name!r} must be letters, digits, '-' or '_' (at most 64), it names files and DHT keys",
+        )
+        _require(self.mode in MODES, "run.mode", f"must be one of {MODES}, got {self.mode!r}")
+        _require(self.outer_steps >= 1, "run.outer_steps", f"must be >= 1, got {self.outer_steps}")
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    """Everything a run needs; `presets.py` builds named ones, YAML files override them."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerOptConfig = field(default_factory=InnerOptConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    regions: list[RegionConfig] = field(default_factory=lambda: [RegionConfig(name="region-0")])
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _require(len(self.regions) >= 1, "regions", "give at least one region")
+        names = [r.name for r in self.regions]
+        _require(len(set(names)) == len(names), "regions", f"region names must be unique, got {names}")
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.run.outer_steps * self.outer.inner_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ExperimentConfig":
+        _require(isinstance(raw, dict), "config", f"must be a mapping of sections, got {type(raw).__name__}")
+        sections = {"model": ModelConfig, "data": DataConfig, "inner": InnerOptConfig,
+                    "outer": OuterConfig, "run": RunConfig}
+        unknown = set(raw) - set(sections) - {"regions"}
+        _require(not unknown, "config", f"unknown section(s) {sorted(unknown)}; known: {sorted(sections)} + regions")
+        kwargs: dict[str, Any] = {}
+        for key, section_cls in sections.items():
+            if key in raw:
+                kwargs[key] = _build_section(section_cls, raw[key], key)
+        if "regions" in raw:
+            _require(isinstance(raw["regions"], list), "regions", "must be a list of {name, workers}")
+            kwargs["regions"] = [_build_section(RegionConfig, r, "regions[]") for r in raw["regions"]]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "ExperimentConfig":
+        return cls.from_dict(yaml.safe_load(text) or {})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ExperimentConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {path}")
+        return cls.from_yaml(path.read_text())
+
+
+def _build_section(section_cls: type, raw: Any, prefix: str) -> Any:
+    _require(isinstance(raw, dict), prefix, f"must be a mapping, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    unknown = set(raw) - known
+    _require(not unknown, prefix, f"unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+    hints = typing.get_type_hints(section_cls)
+    values = {name: _check_type(value, hints[name], f"{prefix}.{name}") for name, value in raw.items()}
+    try:
+        return section_cls(**values)
+    except TypeError as error:  # e.g. a missing required field such as regions[].name
+        raise ConfigError(f"{prefix}: {error}") from error
+
+
+def _check_type(value: Any, hint: Any, field_name: str) -> Any:
+    """Check a YAML value against a field's annotation (int, float, str, bool, lists, optionals)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+        if typing.get_origin(option) is list and isinstance(value, list):
+            return value
+    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+    raise ConfigError(f"{field_name}: expected {wanted}, got {value!r} ({type(value).__name__})")
+
+
+def replace_section(config: ExperimentConfig, **sections: Any) -> ExperimentConfig:
+    """A copy of `config` with whole sections replaced (validation runs again)."""
+    return dataclasses.replace(config, **sections)

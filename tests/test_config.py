@@ -1,0 +1,61 @@
+"""Configuration: presets round-trip through YAML, bad values give errors that name the field."""
+
+import pytest
+
+from ray_diloco.config import ConfigError, ExperimentConfig
+from ray_diloco.presets import PRESETS, get_preset
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_round_trips_through_yaml(name):
+    config = get_preset(name)
+    again = ExperimentConfig.from_yaml(config.to_yaml())
+    assert again == config
+    assert again.to_yaml() == config.to_yaml()
+
+
+def test_opendiloco_shapes_and_hyperparameters():
+    small, big = get_preset("150m"), get_preset("1b")
+    assert (small.model.hidden_size, small.model.intermediate_size, small.model.num_heads,
+            small.model.num_layers) == (1024, 2688, 16, 12)
+    assert (big.model.hidden_size, big.model.intermediate_size, big.model.num_heads,
+            big.model.num_kv_heads, big.model.num_layers) == (2048, 5632, 32, 4, 22)
+    for cfg in (small, big):
+        assert cfg.data.seq_len == 1024
+        assert (cfg.inner.lr, cfg.inner.weight_decay, cfg.inner.beta1, cfg.inner.beta2) == (4e-4, 0.1, 0.9, 0.95)
+        assert (cfg.inner.warmup_steps, cfg.inner.schedule) == (1000, "cosine")
+        assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov, cfg.outer.inner_steps) == (0.7, 0.9, True, 500)
+
+
+@pytest.mark.parametrize(
+    "yaml_text, field",
+    [
+        ("model: {hidden_size: 100, num_heads: 3}", "model.hidden_size"),
+        ("model: {num_heads: 4, num_kv_heads: 3}", "model.num_kv_heads"),
+        ("data: {seq_len: abc}", "data.seq_len"),
+        ("data: {seq_len: 2}", "data.seq_len"),
+        ("inner: {precision: fp8}", "inner.precision"),
+        ("inner: {grad_accum: 0}", "inner.grad_accum"),
+        ("outer: {compression: int4}", "outer.compression"),
+        ("outer: {momentum: 1.5}", "outer.momentum"),
+        ("outer: {matchmaking_seconds: 10, averaging_timeout: 5}", "outer.averaging_timeout"),
+        ("run: {mode: async}", "run.mode"),
+        ("run: {name: 'has space'}", "run.name"),
+        ("regions: [{name: us, workers: 0}]", "regions[us].workers"),
+        ("regions: [{name: US}]", "regions[].name"),
+        ("regions: [{name: us}, {name: us}]", "regions"),
+        ("inner: {lrr: 0.1}", "inner"),
+        ("bogus: {}", "config"),
+    ],
+)
+def test_bad_value_names_the_field(yaml_text, field):
+    with pytest.raises(ConfigError) as error:
+        ExperimentConfig.from_yaml(yaml_text)
+    assert str(error.value).startswith(field + ":"), str(error.value)
+
+
+def test_yaml_overrides_only_what_it_names():
+    config = ExperimentConfig.from_yaml("outer: {inner_steps: 7}\nregions: [{name: eu, workers: 2}]")
+    assert config.outer.inner_steps == 7
+    assert config.outer.lr == 0.7  # untouched default
+    assert [(r.name, r.workers) for r in config.regions] == [("eu", 2)]
