@@ -7,6 +7,7 @@ is FedAvg: θ_global becomes the (weighted) average of the regions' parameters.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -85,3 +86,12 @@ class OuterOptimizer:
     def load_momentum(self, buffers: Mapping[str, torch.Tensor]) -> None:
         for name, buffer in buffers.items():
             self.optimizer.state[self.params[name]]["momentum_buffer"] = buffer.float().clone()
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """A short hash of tensors by name: equal digests mean bit-identical state (used across regions)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,33 @@
+"""The inner optimizer every worker runs between outer steps: AdamW with linear warmup and cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ray_diloco.config import InnerOptConfig
+
+
+def lr_multiplier(step: int, cfg: InnerOptConfig, total_steps: int) -> float:
+    """Factor on cfg.lr at inner step `step` (0-based) of `total_steps` in the whole run."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+def build_inner_optimizer(
+    params, cfg: InnerOptConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+        # foreach kernels are not implemented for every DTensor placement on gloo; plain loops always are.
+        foreach=False,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+    return optimizer, scheduler

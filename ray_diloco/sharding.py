@@ -1,0 +1,53 @@
+"""How a region's FSDP2 shards map onto full tensors by name (pure functions, no process group).
+
+FSDP2 shards every parameter on dim 0 as `torch.chunk` does (rank r holds rows
+[r·⌈n/W⌉, min((r+1)·⌈n/W⌉, n)), trailing ranks may hold none). The SyncActor keeps full tensors,
+so it assembles a region's replica from its ranks' shards and hands each rank back its rows.
+Keeping full tensors is what lets regions with different worker counts train together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+RowRange = tuple[int, int]  # [start, stop) along dim 0
+
+
+def shard_rows(num_rows: int, world_size: int, rank: int) -> RowRange:
+    """The rows of a dim-0 `torch.chunk` shard that `rank` holds."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of {world_size}")
+    chunk = -(-num_rows // world_size)  # ceil
+    start = min(rank * chunk, num_rows)
+    return start, min(start + chunk, num_rows)
+
+
+def layout_of(full_shapes: Mapping[str, torch.Size], world_size: int, rank: int) -> dict[str, RowRange]:
+    return {name: shard_rows(shape[0], world_size, rank) for name, shape in full_shapes.items()}
+
+
+def assemble(shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
+             full_shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Concatenate every rank's dim-0 shard into full fp32 tensors; checks that the rows add up."""
+    world_size = len(shards_by_rank)
+    if sorted(shards_by_rank) != list(range(world_size)):
+        raise ValueError(f"need shards from ranks 0..{world_size - 1}, got {sorted(shards_by_rank)}")
+    full = {}
+    for name, shape in full_shapes.items():
+        parts = [shards_by_rank[rank][name].float() for rank in range(world_size)]
+        tensor = torch.cat(parts, dim=0)
+        if tensor.shape != shape:
+            raise ValueError(f"shards of {name} assemble to {tuple(tensor.shape)}, expected {tuple(shape)}")
+        full[name] = tensor
+    return full
+
+
+def rows_for_rank(full: Mapping[str, torch.Tensor], world_size: int, rank: int) -> dict[str, torch.Tensor]:
+    """Each tensor's rows that `rank` holds (contiguous copies, so Ray ships only those bytes)."""
+    out = {}
+    for name, tensor in full.items():
+        start, stop = shard_rows(tensor.shape[0], world_size, rank)
+        out[name] = tensor[start:stop].clone()
+    return out

@@ -1,0 +1,170 @@
+"""The SyncActor: one Ray actor per region that owns the outer state and talks to the other regions.
+
+It holds θ_global (fp32, full tensors by name, on CPU), the outer Nesterov optimizer and the outer step
+counter. Every H inner steps each FSDP rank of the region sends it its shards; once all ranks are in, it
+computes Δ = θ_global − θ_region, averages Δ with the other regions over Hivemind (FP16 on the wire,
+fp32 accumulation, weights = tokens), applies the outer step and hands each rank its rows of θ_global.
+Workers stay a plain training loop; checkpointing, joining and overlap live here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from ray_diloco.codecs import get_codec
+from ray_diloco.config import ExperimentConfig
+from ray_diloco.model import build_model, parameter_state
+from ray_diloco.outer import OuterOptimizer, state_digest
+from ray_diloco.sharding import assemble, rows_for_rank
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingRound:
+    """The shards of one region's ranks for one outer step, gathered until every rank is in."""
+
+    world_size: int
+    shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    tokens: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    new_global: dict[str, torch.Tensor] | None = None
+    error: BaseException | None = None
+
+
+class SyncActorImpl:
+    """Plain class (tested directly); `SyncActor` below is its Ray actor form."""
+
+    def __init__(self, config: dict, region: str, initial_peers: list[str] | None = None):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.config = ExperimentConfig.from_dict(config)
+        self.region = region
+        cfg = self.config
+        torch.set_num_threads(1)  # the actor shares the node with training workers
+        model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed)
+        initial = parameter_state(model)
+        del model
+        self.shapes = {name: t.shape for name, t in initial.items()}
+        self.outer = OuterOptimizer(initial, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
+                                    nesterov=cfg.outer.nesterov)
+        self.codec = get_codec(cfg.outer.compression)
+        self.expected_regions = len(cfg.regions)
+        self.averager = None
+        if self.expected_regions > 1:
+            from ray_diloco.averaging import RegionAverager  # hivemind is only needed across regions
+
+            self.averager = RegionAverager(
+                run_id=cfg.run.name, region=region, expected_regions=self.expected_regions,
+                compression=cfg.outer.compression,
+                initial_peers=list(initial_peers or cfg.outer.initial_peers) or None,
+                host=cfg.outer.host, matchmaking_seconds=cfg.outer.matchmaking_seconds,
+                averaging_timeout=cfg.outer.averaging_timeout,
+            )
+        self._rounds: dict[int, _PendingRound] = {}
+        self.history: list[dict] = []
+        self.bytes_sent = self.bytes_received = 0
+        self.sync_seconds = 0.0
+        self.tokens = 0
+
+    # -- discovery and state -------------------------------------------------------------------------
+    def multiaddrs(self) -> list[str]:
+        return self.averager.visible_multiaddrs() if self.averager else []
+
+    def outer_step(self) -> int:
+        return self.outer.step_count
+
+    def global_rows(self, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+        """This rank's rows of θ_global: what a (re)starting worker loads into its FSDP shards."""
+        return rows_for_rank(self.outer.global_state(), world_size, rank)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self.outer.global_state().items()}
+
+    def digest(self) -> str:
+        return state_digest(self.outer.global_state())
+
+    def last_round(self) -> dict:
+        return self.history[-1] if self.history else {}
+
+    def stats(self) -> dict:
+        return {
+            "region": self.region, "outer_step": self.outer.step_count, "tokens": self.tokens,
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "sync_seconds": self.sync_seconds, "rounds": list(self.history), "digest": self.digest(),
+        }
+
+    # -- the outer step ------------------------------------------------------------------------------
+    async def exchange(self, outer_step: int, rank: int, world_size: int,
+                       shards: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
+        """Called by every rank after H inner steps; returns that rank's rows of the new θ_global."""
+        if outer_step != self.outer.step_count:
+            raise RuntimeError(
+                f"[{self.region}] rank {rank} is at outer step {outer_step} but the SyncActor is at "
+                f"{self.outer.step_count}: the region's workers and its outer state are out of step"
+            )
+        pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
+        pending.shards[rank] = shards
+        pending.tokens += tokens
+        if len(pending.shards) == world_size:
+            try:
+                pending.new_global = await self._run_round(outer_step, pending)
+            except BaseException as error:  # every waiting rank must see it, not only the last one
+                pending.error = error
+            finally:
+                pending.done.set()
+                self._rounds.pop(outer_step, None)
+        await pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return rows_for_rank(pending.new_global, world_size, rank)
+
+    async def _run_round(self, outer_step: int, pending: _PendingRound) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        local = assemble(pending.shards, self.shapes)
+        delta = self.outer.pseudo_gradient(local)
+        weight = float(max(pending.tokens, 1))
+        record = {"outer_step": outer_step, "tokens": pending.tokens}
+        if self.averager is None:
+            # One region: no wire, but the same codec rounding, so results match a multi-region run.
+            averaged = {name: self.codec.roundtrip(t) for name, t in delta.items()}
+            record.update(group_size=1, peers=[self.region], bytes_sent=0, bytes_received=0, consistent=True)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.averager.average(delta, weight=weight, round_index=outer_step)
+            )
+            averaged = result.averaged
+            record.update(group_size=result.group_size, peers=list(result.peer_regions),
+                          bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                          consistent=result.consistent, average_seconds=round(result.seconds, 3))
+            self.bytes_sent += result.bytes_sent
+            self.bytes_received += result.bytes_received
+            if result.group_size < self.expected_regions:
+                logger.warning("[%s] outer step %d averaged with %d of %d regions: %s", self.region,
+                               outer_step, result.group_size, self.expected_regions, result.peer_regions)
+            if not result.consistent:
+                logger.error("[%s] outer step %d: a region dropped mid-round; parts stayed un-averaged",
+                             self.region, outer_step)
+        new_global = self.outer.step(averaged)
+        seconds = time.perf_counter() - start
+        self.sync_seconds += seconds
+        self.tokens += pending.tokens
+        record.update(seconds=round(seconds, 3), digest=state_digest(new_global))
+        self.history.append(record)
+        logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
+                    seconds, record["group_size"])
+        return new_global
+
+    def shutdown(self) -> None:
+        if self.averager is not None:
+            self.averager.shutdown()
+            self.averager = None
+
+
+# One CPU: the actor's averaging and outer step run beside the region's workers.
+SyncActor = ray.remote(num_cpus=1, max_concurrency=64)(SyncActorImpl)
