@@ -1,0 +1,84 @@
+"""Tokenizer: the bundled GPT-2 BPE encodes real C4 text losslessly, with EOS 50256; tokenizers
+loaded from a directory agree with it; broken tokenizers (no ids, no EOS) are refused loudly."""
+
+import gzip
+import json
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from ray_diloco.data.files import embedded_eval_path
+from ray_diloco.tokenizer import encode_documents, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def c4_texts():
+    with gzip.open(embedded_eval_path(), "rt", encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f][:6]
+
+
+def test_default_tokenizer_is_gpt2(tok):
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    assert tok.eos_token == "<|endoftext|>"
+    assert tok.eos_token_id == 50256
+    assert len(tok) == 50257
+    # Reference GPT-2 ids: proves the merges are applied (byte-level alone would give 11 ids).
+    assert encode_documents(tok, ["hello world"]) == [[31373, 995]]
+
+
+def test_c4_text_round_trips(tok, c4_texts):
+    ids = encode_documents(tok, c4_texts)
+    assert len(ids) == len(c4_texts)
+    for text, doc_ids in zip(c4_texts, ids):
+        assert doc_ids, "no tokens for a C4 document"
+        assert tok.eos_token_id not in doc_ids  # no special tokens added
+        assert tok.decode(doc_ids) == text
+        # BPE compresses English: far fewer tokens than characters.
+        assert len(doc_ids) < 0.5 * len(text)
+
+
+def test_batch_encoding_matches_one_by_one(tok, c4_texts):
+    batched = encode_documents(tok, c4_texts)
+    single = [tok.encode(t, add_special_tokens=False) for t in c4_texts]
+    assert batched == single
+
+
+def test_local_directory_loads_the_same_tokenizer(tok, c4_texts, tmp_path):
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.eos_token_id == tok.eos_token_id
+    assert encode_documents(loaded, c4_texts) == encode_documents(tok, c4_texts)
+
+
+def test_tokenizer_without_eos_is_refused(tmp_path):
+    bundled = load_tokenizer(None)
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=bundled.backend_tokenizer)
+    assert no_eos.eos_token_id is None
+    no_eos.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no eos_token"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_missing_tokenizer_dir_names_it(tmp_path):
+    with pytest.raises(ValueError, match="could not load tokenizer"):
+        load_tokenizer(str(tmp_path))  # exists, but holds no tokenizer files
+
+
+class _SilentTokenizer:
+    """Mimics the transformers-5 GPT2TokenizerFast(vocab_file=...) pitfall: empty ids for all."""
+
+    def __call__(self, texts, **kwargs):
+        return {"input_ids": [[] for _ in texts]}
+
+
+def test_empty_ids_for_real_text_raise():
+    with pytest.raises(ValueError, match="returned no tokens"):
+        encode_documents(_SilentTokenizer(), ["some real text"])
+    # Whitespace-only or no texts are not an error: there may legitimately be nothing to encode.
+    assert encode_documents(_SilentTokenizer(), ["   "]) == [[]]
+    assert encode_documents(_SilentTokenizer(), []) == []
