@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def resolve_vocab(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
 def ensure_ray(address: str | None, cfg: ExperimentConfig) -> None:
     if ray.is_initialized():
         return
-    if address:
+    if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for its driver
         ray.init(address=address)
         return
     # A local cluster: logical CPUs for every worker and SyncActor even on a 2-core machine
@@ -56,7 +57,7 @@ def region_placement(region: RegionConfig) -> dict[str, str] | None:
     return {REGION_LABEL: region.name} if region.name in labelled else None
 
 
-def start_sync_actors(cfg: ExperimentConfig) -> list[Any]:
+def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False) -> list[Any]:
     """The first region's actor bootstraps the DHT; the others join it with its multiaddrs."""
     actors, peers = [], list(cfg.outer.initial_peers)
     config = cfg.to_dict()
@@ -65,7 +66,7 @@ def start_sync_actors(cfg: ExperimentConfig) -> list[Any]:
         selector = region_placement(region)
         if selector:
             options["label_selector"] = selector
-        actor = SyncActor.options(**options).remote(config, region.name, peers)
+        actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds)
         if not peers:
             peers = ray.get(actor.multiaddrs.remote())
         actors.append(actor)
@@ -99,8 +100,12 @@ def evaluate_state(cfg: ExperimentConfig, state: dict | None, windows) -> tuple[
     return evaluate_loss(model, windows, cfg.data.batch_size)
 
 
-def run_diloco(cfg: ExperimentConfig, address: str | None = None) -> dict[str, Any]:
-    """Train `cfg` with DiLoCo across its regions; returns (and writes) the summary."""
+def run_diloco(cfg: ExperimentConfig, address: str | None = None,
+               before_shutdown: Callable[[list[Any]], None] | None = None) -> dict[str, Any]:
+    """Train `cfg` with DiLoCo across its regions; returns (and writes) the summary.
+
+    `before_shutdown(actors)` sees the SyncActors after training (tests read recorded rounds there;
+    passing it makes the actors record every round's θ_region)."""
     started = time.perf_counter()
     ensure_ray(address, cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -119,7 +124,7 @@ def run_diloco(cfg: ExperimentConfig, address: str | None = None) -> dict[str, A
     ray.data.DataContext.get_current().enable_progress_bars = False
     counters = DataCounters.remote()
     datasets = build_region_datasets(cfg.data, len(cfg.regions), cfg.run.seed, counters)
-    actors = start_sync_actors(cfg)
+    actors = start_sync_actors(cfg, record_rounds=before_shutdown is not None)
     try:
         trainers = [make_trainer(cfg, region, actor, dataset, out_dir / "ray_train")
                     for region, actor, dataset in zip(cfg.regions, actors, datasets)]
@@ -131,6 +136,8 @@ def run_diloco(cfg: ExperimentConfig, address: str | None = None) -> dict[str, A
                 raise RuntimeError(f"region {region.name} failed") from result.error
         stats = ray.get([a.stats.remote() for a in actors])
         final_state = ray.get(actors[0].global_state.remote())
+        if before_shutdown is not None:
+            before_shutdown(actors)
     finally:
         for actor in actors:
             try:

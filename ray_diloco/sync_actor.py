@@ -41,7 +41,8 @@ class _PendingRound:
 class SyncActorImpl:
     """Plain class (tested directly); `SyncActor` below is its Ray actor form."""
 
-    def __init__(self, config: dict, region: str, initial_peers: list[str] | None = None):
+    def __init__(self, config: dict, region: str, initial_peers: list[str] | None = None,
+                 record_rounds: bool = False):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = ExperimentConfig.from_dict(config)
         self.region = region
@@ -71,6 +72,9 @@ class SyncActorImpl:
         self.bytes_sent = self.bytes_received = 0
         self.sync_seconds = 0.0
         self.tokens = 0
+        # Tests re-compute each outer step in plain PyTorch from what the region actually sent.
+        self.record_rounds = record_rounds
+        self.recorded: list[dict] = []
 
     # -- discovery and state -------------------------------------------------------------------------
     def multiaddrs(self) -> list[str]:
@@ -88,6 +92,9 @@ class SyncActorImpl:
 
     def digest(self) -> str:
         return state_digest(self.outer.global_state())
+
+    def recorded_rounds(self) -> list[dict]:
+        return self.recorded
 
     def last_round(self) -> dict:
         return self.history[-1] if self.history else {}
@@ -156,6 +163,9 @@ class SyncActorImpl:
         self.tokens += pending.tokens
         record.update(seconds=round(seconds, 3), digest=state_digest(new_global))
         self.history.append(record)
+        if self.record_rounds:
+            self.recorded.append({"local": local, "tokens": pending.tokens,
+                                  "global_after": {k: v.clone() for k, v in new_global.items()}})
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, record["group_size"])
         return new_global
