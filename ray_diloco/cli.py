@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-name", help="run id: output sub-directory and Hivemind matchmaking scope")
     train.add_argument("--seed", type=int)
     train.add_argument("--initial-peers", help="comma-separated Hivemind multiaddrs of a running region")
+    train.add_argument("--mode", choices=["diloco", "ddp", "single"],
+                       help="diloco (default); ddp: one group over all workers, gradient all-reduce every step; "
+                            "single: one worker. Same model, data, inner optimizer and steps")
+    train.add_argument("--init-from", metavar="DIR", help="warm start from a saved model (a run's model/ dir)")
+    train.add_argument("--eval-every", type=int, metavar="K", help="held-out loss every K outer steps")
     train.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     return parser
 
@@ -96,7 +101,8 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
         data = replace(data, eval_path=args.eval_data)
     run = cfg.run
     for flag, field in (("outer_steps", "outer_steps"), ("seed", "seed"), ("output_dir", "output_dir"),
-                        ("run_name", "name")):
+                        ("run_name", "name"), ("mode", "mode"), ("init_from", "init_from"),
+                        ("eval_every", "eval_every")):
         if getattr(args, flag) is not None:
             run = replace(run, **{field: getattr(args, flag)})
     return replace(cfg, regions=regions, outer=outer, data=data, run=run)
@@ -117,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(cfg.to_yaml(), end="")
             return 0
-        from ray_diloco.driver import run_diloco  # Ray and torch load only for training
+        from ray_diloco.driver import run_training  # Ray and torch load only for training
 
-        summary = run_diloco(cfg, address=args.address)
+        summary = run_training(cfg, address=args.address)
         return 0 if summary["eval_loss"] == summary["eval_loss"] else 1  # NaN loss fails the command
     except ConfigError as error:
         print(f"ray-diloco: configuration error: {error}", file=sys.stderr)

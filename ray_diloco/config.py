@@ -195,10 +195,15 @@ class RunConfig:
     """Run id: scopes Hivemind matchmaking (two runs on one DHT never mix) and names the output."""
     mode: str = "diloco"
     outer_steps: int = 5
-    """T: number of outer steps; the run trains T × H inner steps per region."""
+    """T: number of outer steps; the run trains T × H inner steps per region (ddp and single modes train
+    the same T × H steps, with no outer step)."""
     seed: int = 0
     output_dir: str = "runs"
-    """The run writes to output_dir/name/ (summary.json, Ray Train storage)."""
+    """The run writes to output_dir/name/ (summary.json, config.yaml, model/, Ray Train storage)."""
+    init_from: str | None = None
+    """Warm start: a saved model directory (a run's model/ or `ray-diloco export`) instead of the seeded init."""
+    eval_every: int = 0
+    """Evaluate the global model on the held-out set every this many outer steps (0: only at start and end)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -208,6 +213,7 @@ class RunConfig:
         )
         _require(self.mode in MODES, "run.mode", f"must be one of {MODES}, got {self.mode!r}")
         _require(self.outer_steps >= 1, "run.outer_steps", f"must be >= 1, got {self.outer_steps}")
+        _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
 
 
 @dataclass(kw_only=True)

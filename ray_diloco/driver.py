@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets
-from ray_diloco.model import build_model, count_parameters, padded_vocab_size
+from ray_diloco.evaluator import Evaluator
+from ray_diloco.model import build_model, count_parameters, padded_vocab_size, save_model
+from ray_diloco.outer import state_digest
 from ray_diloco.sync_actor import SyncActor
 from ray_diloco.tokenizer import load_tokenizer
 from ray_diloco.worker import region_train_loop
@@ -57,7 +60,7 @@ def region_placement(region: RegionConfig) -> dict[str, str] | None:
     return {REGION_LABEL: region.name} if region.name in labelled else None
 
 
-def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False) -> list[Any]:
+def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False, evaluator: Any = None) -> list[Any]:
     """The first region's actor bootstraps the DHT; the others join it with its multiaddrs."""
     actors, peers = [], list(cfg.outer.initial_peers)
     config = cfg.to_dict()
@@ -66,7 +69,9 @@ def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False) -> lis
         selector = region_placement(region)
         if selector:
             options["label_selector"] = selector
-        actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds)
+        # One evaluator for the run: θ_global is the same in every region.
+        actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds,
+                                                    evaluator if not actors else None)
         if not peers:
             peers = ray.get(actor.multiaddrs.remote())
         actors.append(actor)
@@ -74,35 +79,50 @@ def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False) -> lis
     return actors
 
 
-def make_trainer(cfg: ExperimentConfig, region: RegionConfig, actor: Any, dataset: Any,
+def training_groups(cfg: ExperimentConfig) -> list[RegionConfig]:
+    """The Ray Train groups of a mode: one per region (diloco), one over all workers (ddp), one worker."""
+    if cfg.run.mode == "diloco":
+        return list(cfg.regions)
+    template = cfg.regions[0]
+    if cfg.run.mode == "ddp":
+        return [dataclasses.replace(template, name="ddp", workers=sum(r.workers for r in cfg.regions))]
+    return [dataclasses.replace(template, name="single", workers=1)]
+
+
+def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluator: Any, dataset: Any,
                  storage: Path) -> TorchTrainer:
-    selector = region_placement(region)
-    resources = {"CPU": region.cpus_per_worker}
-    if region.gpus_per_worker:
-        resources["GPU"] = region.gpus_per_worker
+    selector = region_placement(group)
+    resources = {"CPU": group.cpus_per_worker}
+    if group.gpus_per_worker:
+        resources["GPU"] = group.gpus_per_worker
     return TorchTrainer(
         region_train_loop,
-        train_loop_config={"experiment": cfg.to_dict(), "region": region.name, "sync_actor": actor,
-                           "threads_per_worker": max(1, int(region.cpus_per_worker))},
-        scaling_config=ScalingConfig(num_workers=region.workers, use_gpu=region.gpus_per_worker > 0,
+        train_loop_config={"experiment": cfg.to_dict(), "region": group.name, "sync_actor": actor,
+                           "evaluator": evaluator, "threads_per_worker": max(1, int(group.cpus_per_worker))},
+        scaling_config=ScalingConfig(num_workers=group.workers, use_gpu=group.gpus_per_worker > 0,
                                      resources_per_worker=resources, label_selector=selector),
-        run_config=RunConfig(name=f"{cfg.run.name}-{region.name}", storage_path=str(storage)),
+        run_config=RunConfig(name=f"{cfg.run.name}-{group.name}", storage_path=str(storage)),
         datasets={"train": dataset},
     )
 
 
-def evaluate_state(cfg: ExperimentConfig, state: dict | None, windows) -> tuple[float, float]:
-    model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed)
+def evaluate_state(cfg: ExperimentConfig, model, state: dict | None, windows) -> tuple[float, float]:
     if state is not None:
-        missing = model.load_state_dict(state, strict=False)
-        if missing.missing_keys and not all("lm_head" in k for k in missing.missing_keys):
-            raise RuntimeError(f"θ_global lacks parameters: {missing.missing_keys[:5]}")
+        model.load_state_dict(state, strict=False)
     return evaluate_loss(model, windows, cfg.data.batch_size)
 
 
-def run_diloco(cfg: ExperimentConfig, address: str | None = None,
-               before_shutdown: Callable[[list[Any]], None] | None = None) -> dict[str, Any]:
-    """Train `cfg` with DiLoCo across its regions; returns (and writes) the summary.
+def data_parallel_bytes(num_params: int, workers: int, steps: int) -> int:
+    """Bytes each worker sends for the gradients of `steps` data-parallel steps, computed from the collective
+    sizes: FSDP2's fp32 gradient reduce-scatter plus one parameter all-gather is one ring all-reduce,
+    2·(N−1)/N·P·4 bytes, exactly what DDP sends. FSDP2's backward re-gather (a memory saving DDP does
+    not need) is left out so the baseline is not inflated."""
+    return int(2 * (workers - 1) / workers * num_params * 4) * steps
+
+
+def run_training(cfg: ExperimentConfig, address: str | None = None,
+                 before_shutdown: Callable[[list[Any]], None] | None = None) -> dict[str, Any]:
+    """Train `cfg` in its mode (diloco, ddp or single); returns (and writes) the summary.
 
     `before_shutdown(actors)` sees the SyncActors after training (tests read recorded rounds there;
     passing it makes the actors record every round's θ_region)."""
@@ -113,70 +133,97 @@ def run_diloco(cfg: ExperimentConfig, address: str | None = None,
     out_dir = Path(cfg.run.output_dir).resolve() / cfg.run.name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    groups = training_groups(cfg)
 
     windows = load_eval_windows(cfg.data, tokenizer)
-    eval_start, _ = evaluate_state(cfg, None, windows)
-    print(f"[driver] {len(cfg.regions)} region(s) {[r.name for r in cfg.regions]}, "
-          f"{count_parameters(build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, 0)):,} "
-          f"parameters; held-out loss at start {eval_start:.4f}", flush=True)
+    model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
+    num_params = count_parameters(model)
+    eval_start, _ = evaluate_state(cfg, model, None, windows)
+    print(f"[driver] mode {cfg.run.mode}: {len(groups)} group(s) {[(g.name, g.workers) for g in groups]}, "
+          f"{num_params:,} parameters; held-out loss at start {eval_start:.4f}", flush=True)
 
     # Progress bars of Ray Data interleave with the status lines; per-step lines say more.
     ray.data.DataContext.get_current().enable_progress_bars = False
     counters = DataCounters.remote()
-    datasets = build_region_datasets(cfg.data, len(cfg.regions), cfg.run.seed, counters)
-    actors = start_sync_actors(cfg, record_rounds=before_shutdown is not None)
+    datasets = build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
+    evaluator = Evaluator.remote(cfg.to_dict(), windows) if cfg.run.eval_every else None
+    actors = start_sync_actors(cfg, record_rounds=before_shutdown is not None, evaluator=evaluator) \
+        if cfg.run.mode == "diloco" else [None] * len(groups)
     try:
-        trainers = [make_trainer(cfg, region, actor, dataset, out_dir / "ray_train")
-                    for region, actor, dataset in zip(cfg.regions, actors, datasets)]
+        trainers = [make_trainer(cfg, group, actor, evaluator, dataset, out_dir / "ray_train")
+                    for group, actor, dataset in zip(groups, actors, datasets)]
         with ThreadPoolExecutor(max_workers=len(trainers)) as pool:
-            # Each fit() blocks until its region finishes; the regions meet only in their SyncActors.
+            # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
             results = list(pool.map(lambda t: t.fit(), trainers))
-        for region, result in zip(cfg.regions, results):
+        for group, result in zip(groups, results):
             if result.error:
-                raise RuntimeError(f"region {region.name} failed") from result.error
-        stats = ray.get([a.stats.remote() for a in actors])
-        final_state = ray.get(actors[0].global_state.remote())
-        if before_shutdown is not None:
-            before_shutdown(actors)
+                raise RuntimeError(f"{group.name} failed") from result.error
+        if cfg.run.mode == "diloco":
+            stats = ray.get([a.stats.remote() for a in actors])
+            final_state = ray.get(actors[0].global_state.remote())
+            if before_shutdown is not None:
+                before_shutdown(actors)
+        else:
+            final = results[0].return_value
+            final_state = {name: torch.tensor(a) for name, a in final.pop("final_state").items()}
+            steps = cfg.total_inner_steps
+            stats = [{"region": group.name, "tokens": final["tokens_per_worker"] * group.workers,
+                      "bytes_sent": data_parallel_bytes(num_params, group.workers, steps),
+                      "bytes_received": data_parallel_bytes(num_params, group.workers, steps),
+                      "sync_seconds": 0.0, "rounds": [], "digest": state_digest(final_state)}]
+        curve = ray.get(evaluator.get_curve.remote()) if evaluator else []
     finally:
         for actor in actors:
-            try:
-                ray.get(actor.shutdown.remote(), timeout=30)
-            except Exception as error:  # a dead actor must not hide the run's own error
-                logger.warning("SyncActor shutdown failed: %s", error)
-            ray.kill(actor)
+            if actor is not None:
+                _stop_sync_actor(actor)
 
-    eval_loss, eval_ppl = evaluate_state(cfg, final_state, windows)
+    eval_loss, eval_ppl = evaluate_state(cfg, model, final_state, windows)
+    save_model(model, final_state, out_dir / "model", tokenizer)
     data_counts = ray.get(counters.get.remote())
     wall = time.perf_counter() - started
-    summary = build_summary(cfg, stats, eval_start, eval_loss, eval_ppl, data_counts, wall)
+    summary = build_summary(cfg, groups, stats, eval_start, eval_loss, eval_ppl, data_counts, wall)
+    worker_results = [r.return_value for r in results]
+    summary["tokens_per_second_per_worker"] = round(
+        sum(w["tokens_per_worker"] / w["train_seconds"] for w in worker_results) / len(worker_results), 1)
+    summary["compute_utilization"] = round(
+        sum(1 - w["sync_wait_seconds"] / w["train_seconds"] for w in worker_results) / len(worker_results), 4)
+    summary["eval_curve"] = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *curve]
+    summary["parameters"] = num_params
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[driver] held-out loss {eval_start:.4f} -> {eval_loss:.4f} (perplexity {eval_ppl:.1f}); "
-          f"θ_global identical across regions: {summary['regions_agree']}; "
+          f"global model identical across regions: {summary['regions_agree']}; "
           f"summary: {out_dir / 'summary.json'}", flush=True)
     return summary
 
 
-def build_summary(cfg: ExperimentConfig, stats: list[dict], eval_start: float, eval_loss: float,
-                  eval_ppl: float, data_counts: dict, wall: float) -> dict[str, Any]:
+def _stop_sync_actor(actor: Any) -> None:
+    try:
+        ray.get(actor.shutdown.remote(), timeout=30)
+    except Exception as error:  # a dead actor must not hide the run's own error
+        logger.warning("SyncActor shutdown failed: %s", error)
+    ray.kill(actor)
+
+
+def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], stats: list[dict], eval_start: float,
+                  eval_loss: float, eval_ppl: float, data_counts: dict, wall: float) -> dict[str, Any]:
     tokens = sum(s["tokens"] for s in stats)
-    workers = sum(r.workers for r in cfg.regions)
     return {
         "mode": cfg.run.mode,
         "run": cfg.run.name,
-        "regions": [{"name": r.name, "workers": r.workers} for r in cfg.regions],
+        "regions": [{"name": g.name, "workers": g.workers} for g in groups],
         "inner_steps": cfg.outer.inner_steps,
         "outer_steps": cfg.run.outer_steps,
-        "compression": cfg.outer.compression,
+        "compression": cfg.outer.compression if cfg.run.mode == "diloco" else "none",
         "tokens": tokens,
         "eval_loss_at_start": eval_start,
         "eval_loss": eval_loss,
         "eval_perplexity": eval_ppl,
         "comm_bytes_sent": {s["region"]: s["bytes_sent"] for s in stats},
         "comm_bytes_received": {s["region"]: s["bytes_received"] for s in stats},
+        "comm_bytes_how": "measured on the Hivemind wire" if cfg.run.mode == "diloco"
+        else "computed from collective sizes (one fp32 ring all-reduce of gradients per step)",
         "sync_seconds": {s["region"]: round(s["sync_seconds"], 3) for s in stats},
         "wall_seconds": round(wall, 2),
-        "tokens_per_second_per_worker": round(tokens / wall / workers, 1),
         "skipped_records": data_counts["skipped"],
         "dropped_tail_tokens": data_counts["tail_dropped"],
         "regions_agree": len({s["digest"] for s in stats}) == 1,

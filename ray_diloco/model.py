@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -35,9 +37,13 @@ def llama_config(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> L
     )
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int, seed: int) -> LlamaForCausalLM:
-    """A fresh model whose weights depend only on (config, seed): every region builds the same one."""
+def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int, seed: int,
+                init_from: str | None = None) -> LlamaForCausalLM:
+    """A fresh model whose weights depend only on (config, seed): every region builds the same one.
+    With `init_from`, the weights come from that saved model directory (a warm start)."""
     config = llama_config(model_cfg, vocab_size, max_seq_len)
+    if init_from:
+        return load_saved_model(init_from, config)
     # SDPA attention works on CPU and GPU alike; eager would materialise the full attention matrix.
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
@@ -54,3 +60,28 @@ def count_parameters(model: torch.nn.Module) -> int:
 def parameter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters by name as fp32 CPU copies; tied weights appear once (named_parameters dedups)."""
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+def load_saved_model(directory: str, expected: LlamaConfig) -> LlamaForCausalLM:
+    """A model saved with `save_pretrained`; its shape must match the configured one."""
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--init-from {directory}: no config.json there; give a run's model/ directory "
+                                "or the output of `ray-diloco export`")
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings"):
+        saved, wanted = getattr(model.config, key), getattr(expected, key)
+        if saved != wanted:
+            raise ValueError(f"--init-from {directory}: saved {key}={saved} but the config asks {wanted}; "
+                             "use the same model section as the run that saved it")
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def save_model(model: LlamaForCausalLM, state: dict[str, torch.Tensor], directory: Path, tokenizer=None) -> None:
+    """Write θ as a Hugging Face model directory (and the tokenizer, so it loads with Auto* classes)."""
+    model.load_state_dict(state, strict=False)
+    model.save_pretrained(str(directory))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))

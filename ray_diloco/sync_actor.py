@@ -42,13 +42,13 @@ class SyncActorImpl:
     """Plain class (tested directly); `SyncActor` below is its Ray actor form."""
 
     def __init__(self, config: dict, region: str, initial_peers: list[str] | None = None,
-                 record_rounds: bool = False):
+                 record_rounds: bool = False, evaluator=None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = ExperimentConfig.from_dict(config)
         self.region = region
         cfg = self.config
         torch.set_num_threads(1)  # the actor shares the node with training workers
-        model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed)
+        model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
         initial = parameter_state(model)
         del model
         self.shapes = {name: t.shape for name, t in initial.items()}
@@ -75,6 +75,7 @@ class SyncActorImpl:
         # Tests re-compute each outer step in plain PyTorch from what the region actually sent.
         self.record_rounds = record_rounds
         self.recorded: list[dict] = []
+        self.evaluator = evaluator  # set on one region only: θ_global is the same everywhere
 
     # -- discovery and state -------------------------------------------------------------------------
     def multiaddrs(self) -> list[str]:
@@ -166,6 +167,9 @@ class SyncActorImpl:
         if self.record_rounds:
             self.recorded.append({"local": local, "tokens": pending.tokens,
                                   "global_after": {k: v.clone() for k, v in new_global.items()}})
+        every = self.config.run.eval_every
+        if self.evaluator is not None and every and (outer_step + 1) % every == 0:
+            self.evaluator.evaluate.remote(outer_step + 1, {k: v.clone() for k, v in new_global.items()})
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, record["group_size"])
         return new_global

@@ -92,73 +92,118 @@ class _Batches:
             return next(self._iter)["input_ids"]
 
 
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective: all ranks must call it), fp32 on CPU."""
+    return {name: (p.data.full_tensor() if isinstance(p.data, DTensor) else p.data).detach().float().cpu()
+            for name, p in model.named_parameters()}
+
+
+class InnerStep:
+    """One inner optimizer step over `grad_accum` micro-batches: zero_grad → forward → backward → step."""
+
+    def __init__(self, model, cfg: ExperimentConfig, device: torch.device, start_step: int):
+        self.model, self.cfg, self.device = model, cfg, device
+        self.optimizer, self.scheduler = build_inner_optimizer(model.parameters(), cfg.inner, cfg.total_inner_steps)
+        for _ in range(start_step):
+            self.scheduler.step()  # keep the learning-rate schedule aligned with the run's position
+        self.autocast, self.scaler = autocast_for(cfg.inner.precision, device)
+
+    def __call__(self, batches: _Batches) -> tuple[torch.Tensor, int]:
+        """Returns the mean loss over the micro-batches (a tensor: no host sync) and the tokens trained."""
+        accum, scaler = self.cfg.inner.grad_accum, self.scaler
+        loss_sum, tokens = torch.zeros((), device=self.device), 0
+        for micro in range(accum):
+            input_ids = batches.next()
+            # Only the last micro-batch reduce-scatters gradients across the group's ranks.
+            self.model.set_requires_gradient_sync(micro == accum - 1)
+            with self.autocast:
+                loss = self.model(input_ids=input_ids, labels=input_ids).loss / accum
+            (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += loss.detach()
+            tokens += input_ids.numel()
+        if scaler:
+            scaler.unscale_(self.optimizer)
+        if self.cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        if scaler:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, tokens
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
 def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
-    """`train_loop_per_worker` of a region's TorchTrainer. Returns this rank's counters."""
+    """`train_loop_per_worker` of a group's TorchTrainer.
+
+    DiLoCo (a SyncActor is given): every H inner steps the rank exchanges its shards for its rows of the
+    new θ_global. ddp / single (no SyncActor): the same loop with no outer step; the group's gradient
+    reduce-scatter every step is the data-parallel baseline. Rank 0 returns the counters (and, without a
+    SyncActor, the final full model)."""
     cfg = ExperimentConfig.from_dict(loop_config["experiment"])
     region: str = loop_config["region"]
-    sync_actor = loop_config["sync_actor"]
+    sync_actor, evaluator = loop_config.get("sync_actor"), loop_config.get("evaluator")
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     torch.set_num_threads(max(1, int(loop_config.get("threads_per_worker", 1))))
 
-    model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed).to(device)
-    shard_model(model, device, world_size)
-    # θ_global, not the seeded init: a restarted or joining region starts from the run's current state.
-    start_outer = ray.get(sync_actor.outer_step.remote())
-    load_rows(model, ray.get(sync_actor.global_rows.remote(rank, world_size)))
-    optimizer, scheduler = build_inner_optimizer(model.parameters(), cfg.inner, cfg.total_inner_steps)
-    for _ in range(start_outer * cfg.outer.inner_steps):
-        scheduler.step()  # keep the learning-rate schedule aligned with the run's position
-    autocast, scaler = autocast_for(cfg.inner.precision, device)
+    model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
+    shard_model(model.to(device), device, world_size)
+    start_outer = 0
+    if sync_actor is not None:
+        # θ_global, not the init: a restarted or joining region starts from the run's current state.
+        start_outer = ray.get(sync_actor.outer_step.remote())
+        load_rows(model, ray.get(sync_actor.global_rows.remote(rank, world_size)))
+    H = cfg.outer.inner_steps
+    inner_step = InnerStep(model, cfg, device, start_outer * H)
     batches = _Batches(ray.train.get_dataset_shard("train"), cfg.data.batch_size, device)
 
-    tokens_total, last_sync_seconds, peers = 0, 0.0, len(cfg.regions)
-    total_steps = cfg.total_inner_steps
+    tokens_total, last_sync_seconds, sync_seconds_total = 0, 0.0, 0.0
+    loop_started = time.perf_counter()
+    peers = str(len(cfg.regions)) if sync_actor is not None else "-"
     for outer_step in range(start_outer, cfg.run.outer_steps):
         tokens_this_round = 0
-        for inner in range(cfg.outer.inner_steps):
-            step = outer_step * cfg.outer.inner_steps + inner
+        for inner in range(H):
             started = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.inner.grad_accum):
-                input_ids = batches.next()
-                # Only the last micro-batch reduce-scatters gradients across the region's ranks.
-                model.set_requires_gradient_sync(micro == cfg.inner.grad_accum - 1)
-                with autocast:
-                    loss = model(input_ids=input_ids, labels=input_ids).loss / cfg.inner.grad_accum
-                (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += loss.detach()
-                tokens_this_round += input_ids.numel()
-            if scaler:
-                scaler.unscale_(optimizer)
-            if cfg.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if world_size > 1:  # the region's mean loss, not rank 0's alone
-                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            loss, tokens = inner_step(batches)
+            tokens_this_round += tokens
+            if world_size > 1:  # the group's mean loss, not rank 0's alone
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
             seconds = time.perf_counter() - started
             if rank == 0:
-                tokens_per_s = cfg.data.batch_size * cfg.data.seq_len * cfg.inner.grad_accum / seconds
-                status(f"[{region}] step {step + 1}/{total_steps} | outer {outer_step + 1}/{cfg.run.outer_steps}"
-                       f" | loss {loss_sum.item():.4f} | lr {scheduler.get_last_lr()[0]:.2e}"
-                       f" | {tokens_per_s:,.0f} tok/s/worker | last sync {last_sync_seconds:.2f}s"
-                       f" | peers {peers}")
-        sync_started = time.perf_counter()
-        rows = ray.get(sync_actor.exchange.remote(outer_step, rank, world_size, shards_of(model),
-                                                  tokens_this_round))
-        load_rows(model, rows)
-        last_sync_seconds = time.perf_counter() - sync_started
+                status(f"[{region}] step {outer_step * H + inner + 1}/{cfg.total_inner_steps}"
+                       f" | outer {outer_step + 1}/{cfg.run.outer_steps} | loss {loss.item():.4f}"
+                       f" | lr {inner_step.lr:.2e} | {tokens / seconds:,.0f} tok/s/worker"
+                       f" | last sync {last_sync_seconds:.2f}s | peers {peers}")
         tokens_total += tokens_this_round
-        if rank == 0:
-            round_info = ray.get(sync_actor.last_round.remote())
-            peers = round_info["group_size"]
-            status(f"[{region}] outer step {outer_step + 1}/{cfg.run.outer_steps} synced in {last_sync_seconds:.2f}s"
-                   f" with {peers} region(s): {', '.join(round_info['peers'])}")
-    return {"rank": rank, "tokens": tokens_total, "epochs": batches.epoch}
+        if sync_actor is not None:
+            sync_started = time.perf_counter()
+            rows = ray.get(sync_actor.exchange.remote(outer_step, rank, world_size, shards_of(model),
+                                                      tokens_this_round))
+            load_rows(model, rows)
+            last_sync_seconds = time.perf_counter() - sync_started
+            sync_seconds_total += last_sync_seconds
+            if rank == 0:
+                round_info = ray.get(sync_actor.last_round.remote())
+                peers = str(round_info["group_size"])
+                status(f"[{region}] outer step {outer_step + 1}/{cfg.run.outer_steps} synced in "
+                       f"{last_sync_seconds:.2f}s with {peers} region(s): {', '.join(round_info['peers'])}")
+        elif evaluator is not None and cfg.run.eval_every and (outer_step + 1) % cfg.run.eval_every == 0:
+            state = full_state(model)  # every rank takes part in the gather
+            if rank == 0:
+                evaluator.evaluate.remote(outer_step + 1, state)
+    result = {"rank": rank, "tokens_per_worker": tokens_total, "epochs": batches.epoch, "world_size": world_size,
+              # Time in the loop, and the part of it this rank waited on outer steps (compute utilization).
+              "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total}
+    if sync_actor is None:
+        state = full_state(model)
+        if rank == 0:  # Ray Train refuses torch tensors in return values; numpy arrays travel fine
+            result["final_state"] = {name: t.numpy() for name, t in state.items()}
+    return result

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from ray_diloco.config import RegionConfig
-from ray_diloco.driver import run_diloco
+from ray_diloco.driver import run_training
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.outer import OuterOptimizer, weighted_average
 from ray_diloco.presets import tiny_cpu
@@ -44,7 +44,7 @@ def run_recording(cfg):
         for region, actor in zip(cfg.regions, actors):
             recorded[region.name] = ray.get(actor.recorded_rounds.remote())
 
-    summary = run_diloco(cfg, before_shutdown=grab)
+    summary = run_training(cfg, before_shutdown=grab)
     return summary, recorded
 
 

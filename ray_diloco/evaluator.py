@@ -1,0 +1,42 @@
+"""An actor that evaluates the global model on the held-out set while training goes on.
+
+Training hands it θ (fire-and-forget) every `run.eval_every` outer steps; it keeps the curve of held-out
+loss against tokens per worker, which the driver puts in summary.json and the benchmarks plot.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from ray_diloco.config import ExperimentConfig
+from ray_diloco.data.eval_set import evaluate_loss
+from ray_diloco.model import build_model
+
+
+class EvaluatorImpl:
+    def __init__(self, config: dict, windows: torch.Tensor):
+        self.cfg = ExperimentConfig.from_dict(config)
+        torch.set_num_threads(1)
+        self.model = build_model(self.cfg.model, self.cfg.model.vocab_size, self.cfg.data.seq_len, self.cfg.run.seed)
+        self.windows = windows
+        self.curve: list[dict] = []
+
+    def tokens_per_worker(self, outer_step: int) -> int:
+        data, inner = self.cfg.data, self.cfg.inner
+        return outer_step * self.cfg.outer.inner_steps * data.batch_size * data.seq_len * inner.grad_accum
+
+    def evaluate(self, outer_step: int, state: dict[str, torch.Tensor]) -> dict:
+        """Held-out loss of `state` after `outer_step` outer steps (or H-step blocks in ddp/single)."""
+        self.model.load_state_dict(state, strict=False)
+        loss, perplexity = evaluate_loss(self.model, self.windows, self.cfg.data.batch_size)
+        point = {"outer_step": outer_step, "tokens_per_worker": self.tokens_per_worker(outer_step),
+                 "eval_loss": loss, "eval_perplexity": perplexity}
+        self.curve.append(point)
+        return point
+
+    def get_curve(self) -> list[dict]:
+        return sorted(self.curve, key=lambda p: p["outer_step"])
+
+
+Evaluator = ray.remote(num_cpus=1)(EvaluatorImpl)

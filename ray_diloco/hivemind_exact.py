@@ -1,0 +1,357 @@
+"""Hivemind all-reduce whose result is the same bytes on every peer of the group.
+
+Stock hivemind (1.1.x) answers each sender of a part with a *delta* (averaged − that sender's part),
+compressed, and each peer adds the decoded delta to its own local part. With FP16 on the wire every peer
+ends with a slightly different average, so regions that apply the same outer step drift apart.
+
+Here a reducer answers with the **absolute** averaged part, encoded once by the wire codec (same byte
+count as the stock delta), and the owner of a part runs its own averaged part through the same
+encode/decode. Each part's average is computed on exactly one peer (its reducer) and every peer, the
+reducer included, decodes the same bytes; decoding (fp16/bf16 -> fp32, or fp32 as is) is exact and
+deterministic, so all peers hold bit-identical results. The reducer also runs its *own* contribution
+through the codec before accumulating it, so the average is Σ wᵢ·decode(encode(Δᵢ)) / Σ wᵢ whichever peer
+reduces a part (as `ray_diloco.outer.weighted_average` and the single-region path compute it).
+
+A part whose reducer failed keeps the local part (`TensorPartContainer.register_failed_reducer` with
+`return_deltas=False`), and a sender that dropped is left out of the parts it had not sent yet; the
+runner reports `failed_size` and `banned_senders` so the caller can flag the round inconsistent.
+
+Also fixed for one short-lived averager per round, called from any thread: a reducer waits until its
+last replies are handed to p2p before the round ends (`wait_until_served`), `run_in_background` does
+not call signal.signal() in the parent, `start_step` cannot block forever on a dead child, and
+`_shutdown` does not trip over stock's `Future.finalize` bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import signal
+import time
+from typing import AsyncIterator, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    deserialize_torch_tensor,
+)
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture, get_dht_time, get_logger
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+
+from ray_diloco.codecs import get_codec
+
+logger = get_logger(__name__)
+
+
+class BFloat16WireCompression(CompressionBase):
+    """bf16 on the wire in hivemind's own format: NoCompression's 2-byte "bfloat16" buffer.
+
+    Hivemind has no BFLOAT16 compression type, but `NoCompression.extract` already decodes a "bfloat16"
+    tensor whose buffer holds 2 bytes per value (its non-legacy mode), so any hivemind peer reads these
+    bytes correctly. Encoding is `ray_diloco.codecs` bf16 (round to nearest even), decoding gives fp32.
+    """
+
+    compression_type = runtime_pb2.CompressionType.NONE
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        wire = get_codec("bf16").encode(tensor.detach().cpu())
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=wire.view(torch.int16).numpy().tobytes(),
+            size=wire.shape,
+            dtype="bfloat16",
+            requires_grad=False,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return NoCompression().extract(serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 0.5
+
+
+def make_wire_codec(name: str) -> CompressionBase:
+    if name == "fp16":
+        return Float16Compression()  # clamps to ±65504, never inf; same bytes as ray_diloco.codecs fp16
+    if name == "none":
+        return NoCompression()
+    if name == "bf16":
+        return BFloat16WireCompression()
+    raise ValueError(f"compression {name!r} is unknown on the hivemind wire; use 'fp16', 'bf16' or 'none'")
+
+
+def decode_part(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """Any of our wire formats -> fp32 (exact and deterministic: every peer gets the same values)."""
+    return deserialize_torch_tensor(serialized).detach().float()
+
+
+def roundtrip(codec: CompressionBase, part: torch.Tensor) -> torch.Tensor:
+    return decode_part(codec.compress(part, CompressionInfo.from_tensor(part)))
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce that returns absolute averaged parts (not deltas), identical on every peer.
+
+    Also counts the bytes of the AveragingData messages this peer sends and receives (protobuf size of
+    the tensor payload plus a few bytes of framing; libp2p/noise/yamux framing is not counted).
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        assert self.modes[self.ordered_peer_ids.index(self.peer_id)] == AveragingMode.NODE, "only NODE peers"
+        # A failed reducer's part then keeps the local *value* (not a zero delta); see failed_size.
+        self.tensor_part_container.return_deltas = False
+        self.codec: CompressionBase = self.tensor_part_container.compression
+        self.bytes_sent = self.bytes_received = 0
+        self._served: set[PeerID] = set()  # remote senders whose rpc_aggregate_part has ended
+        self._served_changed = asyncio.Event()
+
+    # -- as a sender: our parts go to each reducer, its averaged parts come back --------------------------
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id != self.peer_id:
+            return await self._communicate_with_remote_reducer(peer_id, peer_index)
+        loop = asyncio.get_event_loop()
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            # Our own contribution goes through the codec like everybody else's.
+            wire_part = await loop.run_in_executor(None, roundtrip, self.codec, tensor_part)
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, wire_part, weight=self.weight
+            )
+            # The bytes we send the other senders, decoded: what they will hold for this part.
+            result = await loop.run_in_executor(None, roundtrip, self.codec, averaged_part)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, result)
+
+    async def _communicate_with_remote_reducer(self, peer_id: PeerID, peer_index: int):
+        try:
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def _decode(msg: averaging_pb2.AveragingData):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                return decode_part(msg.tensor_part), msg.ByteSize()
+
+            part_index = 0
+            replies = aiter_with_timeout(stream, self.reducer_timeout)
+            prefetch = self.tensor_part_container.prefetch
+            async for averaged_part, nbytes in amap_in_executor(_decode, replies, max_prefetch=prefetch):
+                self.bytes_received += nbytes
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+                part_index += 1
+            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(
+                    f"peer {peer_id} sent {part_index} parts, but we expected "
+                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
+                )
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for msg in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += msg.ByteSize()
+            yield msg
+
+    # -- as a reducer: accumulate the senders' parts, answer each with the encoded average -----------------
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        try:
+            async for msg in super().rpc_aggregate_part(stream, context):
+                yield msg
+        finally:
+            self._served.add(context.remote_id)
+            self._served_changed.set()
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, nbytes in amap_in_executor(
+                lambda msg: (decode_part(msg.tensor_part), msg.weight, msg.ByteSize()),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                self.bytes_received += nbytes
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    logger.debug(f"Sender {sender_index} is already banned")
+                    break
+                # Absolute average, encoded with *our* codec: every sender decodes these same bytes.
+                info = CompressionInfo.from_tensor(averaged_part)
+                serialized = await loop.run_in_executor(None, self.codec.compress, averaged_part, info)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                self.bytes_sent += reply.ByteSize()
+                yield reply
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def wait_until_served(self, timeout: float) -> bool:
+        """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned).
+
+        Our outputs can be complete while our last replies to a sender are still being written: a
+        per-round averager that shut down right then would cut that sender off (stock hivemind keeps its
+        averager alive, so it never meets this). When a handler's generator ends, p2p has sent its last
+        reply and closes the stream gracefully; the stream then lives in the (DHT's) p2p daemon.
+        """
+        if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
+            return True  # nobody sends us anything
+        remote = [p for p in self.sender_peer_ids if p != self.peer_id]
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            pending = [p for p in remote if p not in self._served and p not in self.banned_senders]
+            if not pending:
+                await asyncio.sleep(0.01)  # let p2p close the streams
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning(f"{self}: {len(pending)} sender stream(s) still open after all-reduce")
+                return False
+            self._served_changed.clear()
+            try:
+                await asyncio.wait_for(self._served_changed.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def stats(self) -> dict:
+        container = self.tensor_part_container
+        return dict(
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            failed_size=container.failed_size,
+            total_size=container.total_size,
+            banned_senders=len(self.banned_senders),
+            peer_ids=[str(p) for p in self.ordered_peer_ids],
+        )
+
+
+class ExactAverager(DecentralizedAverager):
+    """DecentralizedAverager that runs `ExactAllReduceRunner` and *copies* its output into the tensors.
+
+    The averaged tensors' names join the schema hash (stock hashes shapes/dtypes only), so peers whose
+    tensors differ by name never match. `step()` returns dict(gathered=[(peer_id, data) in group order],
+    stats=runner stats) instead of the gathered dict: the runner lives in this forked child process and
+    that is the only way its byte counts come back to the caller.
+    """
+
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
+                 start: bool = False, served_timeout: float = 10.0, **kwargs):
+        super().__init__(averaged_tensors, dht, start=False, **kwargs)
+        names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
+        self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
+        self.served_timeout = served_timeout
+        self._round_stats: Optional[dict] = None
+        if start:
+            self.run_in_background(await_ready=True)
+
+    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        # Stock calls signal.signal() here, which raises off the main thread (a Ray actor's executor).
+        self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def run(self):
+        try:  # in the child: the forking thread is its main thread now
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:
+            pass
+        super().run()
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        self._round_stats = None
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return dict(
+            gathered=[(str(peer_id), gathered[peer_id]) for peer_id in group_info.peer_ids],
+            stats=self._round_stats,
+        )
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
+    ):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        start = time.perf_counter()
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)  # absolute average: copy, never add to the local value
+        allreduce_seconds = time.perf_counter() - start
+        served = await runner.wait_until_served(self.served_timeout)
+        self._round_stats = dict(runner.stats(), allreduce_seconds=allreduce_seconds, all_served=served)
+
+    def start_step(self, *, gather, weight: float, timeout: float, init_timeout: float) -> StepControl:
+        """`step(wait=False, allow_retries=False)` whose hand-shake with the child cannot block forever.
+
+        No retries: a failed all-reduce may have overwritten some tensors with averages already.
+        """
+        scheduled_time = get_dht_time() + self.matchmaking_kwargs["min_matchmaking_time"]
+        deadline = get_dht_time() + timeout
+        assert scheduled_time < deadline, "Scheduled start time does not fit within timeout"
+        data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
+        step = StepControl(scheduled_time=scheduled_time, deadline=deadline, allow_retries=False,
+                           weight=float(weight), data_for_gather=data_for_gather)
+        future_for_init = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
+        step.attach(*future_for_init.result(timeout=init_timeout))
+        step.allow_allreduce()
+        return step
+
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        # Stock calls .finalize() on the asyncio.Future of each running group (an AttributeError);
+        # finalize the runner it holds instead, which also tells its peers that we cancelled.
+        await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in self._running_groups.values():
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+
+    def shutdown(self) -> None:
+        """Stop the child (terminate, then kill, if it does not exit in time) and the host-side thread."""
+        if self.is_alive():
+            try:
+                self._outer_pipe.send(("_shutdown", [self.shutdown_timeout], {}))
+            except (OSError, ValueError):
+                pass
+            self.join(self.shutdown_timeout)
+            if self.is_alive():
+                logger.warning("Averager did not shut down within the grace period; terminating it")
+                self.terminate()
+                self.join(1.0)
+            if self.is_alive():
+                self.kill()
+                self.join(1.0)
+        try:
+            self._inner_pipe.send(("_SHUTDOWN", None))  # ends _background_thread_fetch_current_state
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,302 @@
+"""Cross-region averaging over Hivemind (ray_diloco.averaging), on 127.0.0.1 with real DHTs and p2pd.
+
+Regions run in threads of the test process; each has its own DHT and forks one averager per round.
+Checks that:
+* with 2 and 3 regions (fp16, bf16 and none on the wire) every region gets bit-identical averages and
+  equal digests, equal to Σ wᵢ·codec(Δᵢ)/Σ wᵢ through the codec (fp16 within one fp16 rounding; values
+  above 65504 are clamped, never inf; 'none' within 1e-6 of the fp32 weighted average);
+* fp16 sends half the bytes of 'none' for the same tensors (±2 %);
+* two runs on one DHT (4 regions, 2 per run) average only within their run, and regions at different
+  round indices never average together;
+* a missing region (3 expected, 2 present) ends the round after matchmaking_seconds with the 2 present;
+* a region alone gets its own Δ through the codec, group_size 1, within the timeout;
+* a region whose averager dies mid-all-reduce: both regions return at once with consistent=False;
+  one that stalls mid-all-reduce: both return by averaging_timeout (+ shutdown) with consistent=False;
+* bad arguments (unknown codec, weight <= 0) are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from ray_diloco.averaging import RegionAverager, RoundResult, round_prefix
+from ray_diloco.codecs import get_codec
+from ray_diloco.hivemind_exact import ExactAllReduceRunner
+from ray_diloco.outer import weighted_average
+
+MM = 2.0  # matchmaking_seconds in the timing tests
+SHAPES = {"emb": (257, 96), "w": (64, 33, 3), "b": (17,), "s": ()}
+
+
+def make_delta(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    delta = {name: torch.randn(shape, generator=g) * scale for name, shape in SHAPES.items()}
+    flat = delta["emb"].view(-1)
+    flat[:4] = torch.tensor([1e5, -2e5, 7e4, 65504.0])  # beyond fp16's range: must clamp, never inf
+    flat[4:8] = torch.tensor([1e-8, -3e-7, 5e-6, 1e-30])  # fp16 subnormals / underflow
+    return delta
+
+
+def start_regions(n: int, run_id: str = "run", compression: str = "fp16", expected: int | None = None,
+                  names: list[str] | None = None, **kwargs) -> list[RegionAverager]:
+    names = names or [f"r{i}" for i in range(n)]
+    first = RegionAverager(run_id=run_id, region=names[0], expected_regions=expected or n,
+                           compression=compression, **kwargs)
+    peers = first.visible_multiaddrs()
+    return [first] + [RegionAverager(run_id=run_id, region=name, expected_regions=expected or n,
+                                     compression=compression, initial_peers=peers, **kwargs)
+                      for name in names[1:]]
+
+
+def run_round(calls: list[tuple], timeout: float = 60.0) -> list[RoundResult]:
+    """calls: (averager, delta, weight, round_index), run concurrently; results in the same order."""
+    results: list = [None] * len(calls)
+
+    def _go(i, averager, delta, weight, round_index):
+        try:
+            results[i] = averager.average(delta, weight=weight, round_index=round_index)
+        except BaseException as e:  # surfaced below
+            results[i] = e
+
+    threads = [threading.Thread(target=_go, args=(i, *call), daemon=True) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "average() hung"
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def shutdown(averagers):
+    for a in averagers:
+        a.shutdown()
+
+
+def assert_identical(results: list[RoundResult]):
+    first = results[0]
+    for r in results[1:]:
+        assert r.digest == first.digest
+        for name in first.averaged:
+            assert torch.equal(r.averaged[name], first.averaged[name]), name
+
+
+@pytest.mark.parametrize("n,compression", [(2, "fp16"), (3, "fp16"), (2, "bf16"), (2, "none")])
+def test_group_gets_bit_identical_weighted_average(n, compression):
+    regions = start_regions(n, run_id=f"ident-{n}-{compression}", compression=compression)
+    try:
+        deltas = [make_delta(seed=10 + i, scale=10.0 ** i) for i in range(n)]
+        weights = [1000.0, 3000.0, 2000.0][:n]
+        results = run_round([(a, d, w, 0) for a, d, w in zip(regions, deltas, weights)])
+    finally:
+        shutdown(regions)
+
+    assert_identical(results)
+    for r in results:
+        assert r.group_size == n and r.consistent and r.error is None
+        assert r.peer_regions == [f"r{i}" for i in range(n)]
+        assert r.bytes_sent > 0 and r.bytes_received > 0
+    got = results[0].averaged
+    assert set(got) == set(SHAPES)
+    for name, shape in SHAPES.items():
+        assert got[name].shape == torch.Size(shape) and got[name].dtype == torch.float32
+
+    codec = get_codec(compression)
+    expected = weighted_average(deltas, weights, compression)  # Σ wᵢ·codec(Δᵢ) / Σ wᵢ in fp32
+    if compression == "none":
+        exact = weighted_average(deltas, weights, "none")
+        for name in SHAPES:
+            torch.testing.assert_close(got[name], exact[name], rtol=1e-6, atol=1e-6)
+        # and the exact fp32 weighted average of the raw Δ (no codec anywhere)
+        raw = sum(w * d["w"] for d, w in zip(deltas, weights)) / sum(weights)
+        torch.testing.assert_close(got["w"], raw, rtol=1e-6, atol=1e-6)
+    else:
+        # One more codec rounding of the average; fp32 summation order may move it by one ulp.
+        rtol = 2.0 ** -10 if compression == "fp16" else 2.0 ** -7
+        for name in SHAPES:
+            torch.testing.assert_close(got[name], codec.roundtrip(expected[name]), rtol=rtol, atol=1e-7)
+    assert all(torch.isfinite(t).all() for t in got.values())
+    if compression == "fp16":
+        assert got["emb"].abs().max() <= 65504.0
+        # 1e5 and 65504 at index 0 and 3 in every region: the clamped average is exactly 65504
+        assert got["emb"].view(-1)[0] == 65504.0 and got["emb"].view(-1)[3] == 65504.0
+
+
+def test_fp16_sends_half_the_bytes_of_none():
+    fp16 = start_regions(2, run_id="bytes-fp16", compression="fp16")
+    # The 'none' pair reuses the same two DHT nodes (a different run id keeps the groups apart).
+    none = [RegionAverager(run_id="bytes-none", region=a.region, expected_regions=2, compression="none",
+                           dht=a.dht) for a in fp16]
+    try:
+        deltas = [{"x": torch.randn(400_000) * 1e-3}, {"x": torch.randn(400_000) * 1e-3}]
+        r16 = run_round([(a, d, 1.0, 0) for a, d in zip(fp16, deltas)])
+        r32 = run_round([(a, d, 1.0, 0) for a, d in zip(none, deltas)])
+    finally:
+        shutdown(none + fp16)
+    assert_identical(r16)
+    assert_identical(r32)
+    total16 = sum(r.bytes_sent for r in r16)
+    total32 = sum(r.bytes_sent for r in r32)
+    # Each of 2 peers sends half its vector and gets half back: 2 × 400k values cross the wire each way.
+    assert total16 == sum(r.bytes_received for r in r16)
+    assert 0.98 * 2 * 400_000 * 2 <= total16 <= 1.02 * 2 * 400_000 * 2
+    for a, b in zip(r16, r32):
+        assert 0.49 <= a.bytes_sent / b.bytes_sent <= 0.51, (a.bytes_sent, b.bytes_sent)
+
+
+def test_runs_and_rounds_on_one_dht_stay_apart():
+    names = ["a1", "a2", "b1", "b2"]
+    first = RegionAverager(run_id="run.A", region="a1", expected_regions=2, matchmaking_seconds=MM)
+    peers = first.visible_multiaddrs()
+    regions = [first] + [
+        RegionAverager(run_id="run.A" if n.startswith("a") else "run_A", region=n, expected_regions=2,
+                       initial_peers=peers, matchmaking_seconds=MM)
+        for n in names[1:]
+    ]  # "run.A" and "run_A" sanitise to the same text: the prefix must still tell them apart
+    assert round_prefix("run.A", 3) != round_prefix("run_A", 3) and "." not in round_prefix("run.A", 3)
+    try:
+        deltas = [make_delta(seed=100 + i) for i in range(4)]
+        weights = [1000.0, 3000.0, 500.0, 1500.0]
+        results = run_round([(a, d, w, 0) for a, d, w in zip(regions, deltas, weights)])
+        # Same run, different rounds: neither may average with the other.
+        start = time.monotonic()
+        late = run_round([(regions[0], deltas[0], 1.0, 1), (regions[1], deltas[1], 1.0, 2)])
+        late_seconds = time.monotonic() - start
+    finally:
+        shutdown(regions)
+
+    ra, rb = results[:2], results[2:]
+    assert_identical(ra)
+    assert_identical(rb)
+    assert [r.peer_regions for r in results] == [["a1", "a2"]] * 2 + [["b1", "b2"]] * 2
+    assert ra[0].digest != rb[0].digest
+    codec = get_codec("fp16")
+    pair_a = weighted_average(deltas[:2], weights[:2], "fp16")
+    four = weighted_average(deltas, weights, "fp16")
+    torch.testing.assert_close(ra[0].averaged["w"], codec.roundtrip(pair_a["w"]), rtol=2.0 ** -10, atol=1e-7)
+    assert not torch.allclose(ra[0].averaged["w"], codec.roundtrip(four["w"]), rtol=1e-2, atol=1e-3)
+    pair_b = weighted_average(deltas[2:], weights[2:], "fp16")
+    torch.testing.assert_close(rb[0].averaged["w"], codec.roundtrip(pair_b["w"]), rtol=2.0 ** -10, atol=1e-7)
+
+    for r, d in zip(late, deltas[:2]):
+        assert r.group_size == 1 and r.peer_regions == [r.peer_regions[0]] and r.consistent
+        for name in SHAPES:
+            assert torch.equal(r.averaged[name], codec.roundtrip(d[name]))
+    assert late_seconds < MM + 6.0
+
+
+def test_missing_region_round_goes_on_with_those_present():
+    regions = start_regions(2, run_id="missing", expected=3, matchmaking_seconds=MM, averaging_timeout=30.0)
+    try:
+        deltas = [make_delta(seed=1), make_delta(seed=2)]
+        start = time.monotonic()
+        results = run_round([(a, d, w, 7) for a, d, w in zip(regions, deltas, [1000.0, 3000.0])])
+        seconds = time.monotonic() - start
+    finally:
+        shutdown(regions)
+    assert seconds < MM + 6.0, seconds
+    assert seconds >= MM - 0.5, "a group short of expected_regions should wait for matchmaking_seconds"
+    assert_identical(results)
+    for r in results:
+        assert r.group_size == 2 and r.peer_regions == ["r0", "r1"] and r.consistent
+    expected = get_codec("fp16").roundtrip(weighted_average(deltas, [1000.0, 3000.0], "fp16")["emb"])
+    torch.testing.assert_close(results[0].averaged["emb"], expected, rtol=2.0 ** -10, atol=1e-7)
+
+
+def test_alone_region_gets_its_own_delta_through_the_codec():
+    (alone,) = start_regions(1, run_id="alone", expected=2, matchmaking_seconds=MM, averaging_timeout=20.0)
+    try:
+        delta = make_delta(seed=5)
+        start = time.monotonic()
+        (result,) = run_round([(alone, delta, 1234.0, 0)])
+        seconds = time.monotonic() - start
+    finally:
+        alone.shutdown()
+    assert seconds < MM + 6.0 and result.seconds <= 20.0
+    assert result.group_size == 1 and result.peer_regions == ["r0"] and result.consistent
+    assert result.bytes_sent == result.bytes_received == 0
+    codec = get_codec("fp16")
+    for name in SHAPES:
+        assert torch.equal(result.averaged[name], codec.roundtrip(delta[name]))
+
+
+def test_region_dying_mid_round_is_reported_inconsistent(monkeypatch):
+    regions = start_regions(2, run_id="drop", averaging_timeout=15.0, part_size_bytes=2**12)
+    victim = regions[1].dht.peer_id
+    original = ExactAllReduceRunner._generate_input_for_peer
+
+    async def send_two_parts_then_die(self, peer_index):
+        sent = 0
+        async for msg in original(self, peer_index):
+            yield msg
+            sent += 1
+            if self.peer_id == victim and sent == 2:  # runs in the victim's forked averager process
+                await asyncio.sleep(0.05)
+                os._exit(1)
+
+    monkeypatch.setattr(ExactAllReduceRunner, "_generate_input_for_peer", send_two_parts_then_die)
+    try:
+        start = time.monotonic()
+        survivor, dead = run_round([(a, make_delta(seed=i), 1.0, 0) for i, a in enumerate(regions)])
+        seconds = time.monotonic() - start
+    finally:
+        shutdown(regions)
+    assert seconds < 10.0, "a dead peer must not hold the round until averaging_timeout"
+    # Depending on timing the survivor lost the victim as a reducer, as a sender, or both.
+    assert not survivor.consistent and ("dropped" in survivor.error or "reducer failed" in survivor.error)
+    assert survivor.group_size == 2
+    assert not dead.consistent and "died" in dead.error and dead.group_size == 1
+    # the dead region falls back to its own Δ through the codec
+    assert torch.equal(dead.averaged["w"], get_codec("fp16").roundtrip(make_delta(seed=1)["w"]))
+
+
+def test_region_stalling_mid_round_cannot_hold_the_round_past_the_timeout(monkeypatch):
+    timeout = 6.0
+    regions = start_regions(2, run_id="stall", matchmaking_seconds=MM, averaging_timeout=timeout,
+                            part_size_bytes=2**12)
+    victim = regions[1].dht.peer_id
+    original = ExactAllReduceRunner._generate_input_for_peer
+
+    async def send_one_part_then_hang(self, peer_index):
+        async for msg in original(self, peer_index):
+            yield msg
+            if self.peer_id == victim:
+                await asyncio.sleep(3600)
+
+    monkeypatch.setattr(ExactAllReduceRunner, "_generate_input_for_peer", send_one_part_then_hang)
+    try:
+        start = time.monotonic()
+        results = run_round([(a, make_delta(seed=i), 1.0, 0) for i, a in enumerate(regions)])
+        seconds = time.monotonic() - start
+    finally:
+        shutdown(regions)
+    assert seconds < timeout + 5.0, seconds
+    for r, seed in zip(results, (0, 1)):
+        assert not r.consistent and "averaging_timeout" in r.error and r.seconds < timeout + 5.0
+        assert torch.equal(r.averaged["b"], get_codec("fp16").roundtrip(make_delta(seed=seed)["b"]))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="compression"):
+        RegionAverager(run_id="x", region="r", expected_regions=2, compression="int8")
+    with pytest.raises(ValueError, match="averaging_timeout"):
+        RegionAverager(run_id="x", region="r", expected_regions=2, matchmaking_seconds=10, averaging_timeout=5)
+    single = RegionAverager(run_id="x", region="r", expected_regions=1)
+    try:
+        with pytest.raises(ValueError, match="weight"):
+            single.average({"x": torch.ones(3)}, weight=0.0, round_index=0)
+        # One expected region: no wire, the codec's rounding only.
+        x = torch.tensor([1e5, 1e-3, 1.0])
+        r = single.average({"x": x}, weight=1.0, round_index=0)
+        assert r.group_size == 1 and r.consistent and torch.equal(r.averaged["x"], get_codec("fp16").roundtrip(x))
+        assert r.averaged["x"][0] == 65504.0
+    finally:
+        single.shutdown()
