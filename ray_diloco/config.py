@@ -141,7 +141,7 @@ class OuterConfig:
     """H: inner steps between two outer steps (the DiLoCo paper uses 500)."""
     compression: str = "fp16"
     """Codec of pseudo-gradients on the wire between regions; accumulation is always fp32."""
-    matchmaking_seconds: float = 5.0
+    matchmaking_seconds: float = 30.0
     """How long a round waits for the other regions before it goes on with those present."""
     averaging_timeout: float = 120.0
     """Upper bound of one cross-region all-reduce."""
@@ -202,6 +202,8 @@ class RunConfig:
     """The run writes to output_dir/name/ (summary.json, config.yaml, model/, Ray Train storage)."""
     init_from: str | None = None
     """Warm start: a saved model directory (a run's model/ or `ray-diloco export`) instead of the seeded init."""
+    max_failures: int = 1
+    """Restarts of a region's group after a worker dies (Ray Train FailureConfig); it resumes from θ_global."""
     eval_every: int = 0
     """Evaluate the global model on the held-out set every this many outer steps (0: only at start and end)."""
 
@@ -213,6 +215,7 @@ class RunConfig:
         )
         _require(self.mode in MODES, "run.mode", f"must be one of {MODES}, got {self.mode!r}")
         _require(self.outer_steps >= 1, "run.outer_steps", f"must be >= 1, got {self.outer_steps}")
+        _require(self.max_failures >= 0, "run.max_failures", f"must be >= 0, got {self.max_failures}")
         _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.train import RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_diloco.config import ExperimentConfig, RegionConfig
@@ -101,7 +101,8 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluat
                            "evaluator": evaluator, "threads_per_worker": max(1, int(group.cpus_per_worker))},
         scaling_config=ScalingConfig(num_workers=group.workers, use_gpu=group.gpus_per_worker > 0,
                                      resources_per_worker=resources, label_selector=selector),
-        run_config=RunConfig(name=f"{cfg.run.name}-{group.name}", storage_path=str(storage)),
+        run_config=RunConfig(name=f"{cfg.run.name}-{group.name}", storage_path=str(storage),
+                             failure_config=FailureConfig(max_failures=cfg.run.max_failures)),
         datasets={"train": dataset},
     )
 
@@ -229,4 +230,5 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], stats: list
         "regions_agree": len({s["digest"] for s in stats}) == 1,
         "global_digest": {s["region"]: s["digest"] for s in stats},
         "rounds": {s["region"]: s["rounds"] for s in stats},
+        "events": sorted((e for s in stats for e in s.get("events", [])), key=lambda e: e["time"]),
     }

@@ -32,7 +32,7 @@ class _PendingRound:
 
     world_size: int
     shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    tokens: int = 0
+    tokens_by_rank: dict[int, int] = field(default_factory=dict)  # by rank: a restarted rank resubmits
     done: asyncio.Event = field(default_factory=asyncio.Event)
     new_global: dict[str, torch.Tensor] | None = None
     error: BaseException | None = None
@@ -76,10 +76,28 @@ class SyncActorImpl:
         self.record_rounds = record_rounds
         self.recorded: list[dict] = []
         self.evaluator = evaluator  # set on one region only: θ_global is the same everywhere
+        self.workers: dict[int, dict] = {}  # rank -> {pid, host}: who trains this region now
+        self.events: list[dict] = []  # restarts, departures, joins — for status lines and summary.json
 
     # -- discovery and state -------------------------------------------------------------------------
     def multiaddrs(self) -> list[str]:
         return self.averager.visible_multiaddrs() if self.averager else []
+
+    def register_worker(self, rank: int, world_size: int, pid: int, host: str) -> None:
+        """A worker (re)starts. A known rank with a new process is a restart of the region's group."""
+        previous = self.workers.get(rank)
+        if previous is not None and previous["pid"] != pid:
+            self.record_event("worker_restart", rank=rank, old_pid=previous["pid"], pid=pid)
+        self.workers[rank] = {"pid": pid, "host": host, "world_size": world_size}
+
+    def worker_pids(self) -> dict[int, int]:
+        return {rank: w["pid"] for rank, w in self.workers.items()}
+
+    def record_event(self, kind: str, **details) -> None:
+        event = {"event": kind, "region": self.region, "outer_step": self.outer.step_count,
+                 "time": time.time(), **details}
+        self.events.append(event)
+        logger.warning("[%s] %s", self.region, event)
 
     def outer_step(self) -> int:
         return self.outer.step_count
@@ -105,6 +123,7 @@ class SyncActorImpl:
             "region": self.region, "outer_step": self.outer.step_count, "tokens": self.tokens,
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "sync_seconds": self.sync_seconds, "rounds": list(self.history), "digest": self.digest(),
+            "events": list(self.events),
         }
 
     # -- the outer step ------------------------------------------------------------------------------
@@ -118,7 +137,7 @@ class SyncActorImpl:
             )
         pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
         pending.shards[rank] = shards
-        pending.tokens += tokens
+        pending.tokens_by_rank[rank] = tokens
         if len(pending.shards) == world_size:
             try:
                 pending.new_global = await self._run_round(outer_step, pending)
@@ -136,8 +155,9 @@ class SyncActorImpl:
         start = time.perf_counter()
         local = assemble(pending.shards, self.shapes)
         delta = self.outer.pseudo_gradient(local)
-        weight = float(max(pending.tokens, 1))
-        record = {"outer_step": outer_step, "tokens": pending.tokens}
+        tokens = sum(pending.tokens_by_rank.values())
+        weight = float(max(tokens, 1))
+        record = {"outer_step": outer_step, "tokens": tokens}
         if self.averager is None:
             # One region: no wire, but the same codec rounding, so results match a multi-region run.
             averaged = {name: self.codec.roundtrip(t) for name, t in delta.items()}
@@ -161,11 +181,11 @@ class SyncActorImpl:
         new_global = self.outer.step(averaged)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
-        self.tokens += pending.tokens
+        self.tokens += tokens
         record.update(seconds=round(seconds, 3), digest=state_digest(new_global))
         self.history.append(record)
         if self.record_rounds:
-            self.recorded.append({"local": local, "tokens": pending.tokens,
+            self.recorded.append({"local": local, "tokens": tokens,
                                   "global_after": {k: v.clone() for k, v in new_global.items()}})
         every = self.config.run.eval_every
         if self.evaluator is not None and every and (outer_step + 1) % every == 0:

@@ -8,6 +8,8 @@ loads back its rows of θ_global. That keeps it a plain `zero_grad → forward �
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import sys
 import time
 from typing import Any
@@ -158,6 +160,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     shard_model(model.to(device), device, world_size)
     start_outer = 0
     if sync_actor is not None:
+        ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname()))
         # θ_global, not the init: a restarted or joining region starts from the run's current state.
         start_outer = ray.get(sync_actor.outer_step.remote())
         load_rows(model, ray.get(sync_actor.global_rows.remote(rank, world_size)))

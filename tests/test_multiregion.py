@@ -6,35 +6,12 @@ the plain-PyTorch outer step of `ray_diloco.outer`, fed what each region actuall
 every θ_global to fp16 wire rounding (token-weighted, with the right sign).
 """
 
-import dataclasses
-
-import pytest
 import ray
-import torch
 
-from ray_diloco.config import RegionConfig
+from conftest import small_run
 from ray_diloco.driver import run_training
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.outer import OuterOptimizer, weighted_average
-from ray_diloco.presets import tiny_cpu
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=8, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-def small_run(tmp_path, name, workers, inner_steps=4, outer_steps=3):
-    cfg = tiny_cpu()
-    return dataclasses.replace(
-        cfg,
-        regions=[RegionConfig(name=f"r{i}", workers=w) for i, w in enumerate(workers)],
-        inner=dataclasses.replace(cfg.inner, warmup_steps=2),
-        outer=dataclasses.replace(cfg.outer, inner_steps=inner_steps, matchmaking_seconds=10.0),
-        run=dataclasses.replace(cfg.run, name=name, outer_steps=outer_steps, output_dir=str(tmp_path)),
-    )
 
 
 def run_recording(cfg):

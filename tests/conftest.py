@@ -1,0 +1,67 @@
+"""Shared fixtures: one local Ray cluster per test module that needs it, and small run configs."""
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import ray
+
+from ray_diloco.config import RegionConfig
+from ray_diloco.presets import tiny_cpu
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # 8 logical CPUs on 2 cores: every worker and SyncActor gets a slot, they take turns on the cores.
+    ray.init(num_cpus=8, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def small_run(tmp_path, name, workers, inner_steps=4, outer_steps=3, matchmaking_seconds=30.0, **run_fields):
+    """The tiny-cpu preset cut down to a test: regions r0, r1, … with the given worker counts."""
+    cfg = tiny_cpu()
+    return dataclasses.replace(
+        cfg,
+        regions=[RegionConfig(name=f"r{i}", workers=w) for i, w in enumerate(workers)],
+        inner=dataclasses.replace(cfg.inner, warmup_steps=2),
+        outer=dataclasses.replace(cfg.outer, inner_steps=inner_steps, matchmaking_seconds=matchmaking_seconds,
+                                  averaging_timeout=max(120.0, 2 * matchmaking_seconds)),
+        run=dataclasses.replace(cfg.run, name=name, outer_steps=outer_steps, output_dir=str(tmp_path), **run_fields),
+    )
+
+
+class RunInThread:
+    """Runs `run_training` in a thread so a test can inject faults while it trains."""
+
+    def __init__(self, target):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(target,), daemon=True)
+        self.thread.start()
+
+    def _run(self, target):
+        try:
+            self.result = target()
+        except BaseException as error:  # re-raised in join()
+            self.error = error
+
+    def join(self, timeout):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"run did not finish within {timeout}s"
+        if self.error:
+            raise self.error
+        return self.result
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception:  # e.g. the actor is not created yet
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

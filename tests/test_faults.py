@@ -1,0 +1,36 @@
+"""Fault injection on real processes: a worker killed by PID inside a region, mid-run.
+
+The region's Ray Train group restarts (FailureConfig), its new workers load θ_global from the region's
+SyncActor (which kept the outer state), the run finishes every outer step, the other region goes on, and
+summary.json records the restart.
+"""
+
+import os
+import signal
+
+import ray
+
+from conftest import RunInThread, small_run, wait_for
+from ray_diloco.driver import run_training
+
+
+def sync_actor(cfg, region):
+    return ray.get_actor(f"diloco-sync-{cfg.run.name}-{region}")
+
+
+def test_worker_killed_inside_a_region_restarts_and_the_run_finishes(local_ray, tmp_path):
+    cfg = small_run(tmp_path, "kill-worker", workers=[1, 2], inner_steps=3, outer_steps=3,
+                    matchmaking_seconds=90.0, max_failures=1)
+    run = RunInThread(lambda: run_training(cfg))
+    actor = wait_for(lambda: sync_actor(cfg, "r1"), 180, "r1's SyncActor")
+    wait_for(lambda: ray.get(actor.outer_step.remote()) >= 1, 300, "r1's first outer step")
+    pids = ray.get(actor.worker_pids.remote())
+    os.kill(pids[1], signal.SIGKILL)  # rank 1 of the 2-worker region, between outer steps 1 and 3
+
+    summary = run.join(timeout=600)
+    restarts = [e for e in summary["events"] if e["event"] == "worker_restart"]
+    assert restarts and {e["region"] for e in restarts} == {"r1"}, summary["events"]
+    for region in ("r0", "r1"):
+        assert [r["outer_step"] for r in summary["rounds"][region]] == [0, 1, 2]
+    assert summary["regions_agree"], summary["global_digest"]
+    assert summary["eval_loss"] < summary["eval_loss_at_start"]
