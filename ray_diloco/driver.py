@@ -155,13 +155,22 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
                     for group, actor, dataset in zip(groups, actors, datasets)]
         with ThreadPoolExecutor(max_workers=len(trainers)) as pool:
             # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
-            results = list(pool.map(lambda t: t.fit(), trainers))
-        for group, result in zip(groups, results):
-            if result.error:
-                raise RuntimeError(f"{group.name} failed") from result.error
+            outcomes = list(pool.map(_fit, trainers))
+        # A region whose group failed for good (after its restarts) has left the run; the others went on.
+        finished = [i for i, (_, error) in enumerate(outcomes) if error is None]
+        if not finished or (cfg.run.mode != "diloco" and len(finished) < len(groups)):
+            failed = [groups[i].name for i in range(len(groups)) if i not in finished]
+            raise RuntimeError(f"training failed in {failed}") from next(e for _, e in outcomes if e)
+        departures = [{"event": "region_departed", "region": groups[i].name, "time": time.time(),
+                       "error": str(outcomes[i][1]).splitlines()[0][:300]}
+                      for i in range(len(groups)) if i not in finished]
+        for departure in departures:
+            logger.warning("region %s left the run: %s", departure["region"], departure["error"])
+        results = [outcomes[i][0] for i in finished]
         if cfg.run.mode == "diloco":
-            stats = ray.get([a.stats.remote() for a in actors])
-            final_state = ray.get(actors[0].global_state.remote())
+            stats = ray.get([actors[i].stats.remote() for i in finished])
+            stats[0].setdefault("events", []).extend(departures)
+            final_state = ray.get(actors[finished[0]].global_state.remote())
             if before_shutdown is not None:
                 before_shutdown(actors)
         else:
@@ -195,6 +204,15 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
           f"global model identical across regions: {summary['regions_agree']}; "
           f"summary: {out_dir / 'summary.json'}", flush=True)
     return summary
+
+
+def _fit(trainer: TorchTrainer) -> tuple[Any, BaseException | None]:
+    """Ray Train V2's fit() raises when the group fails for good; a region's failure is an outcome here."""
+    try:
+        result = trainer.fit()
+        return result, result.error
+    except Exception as error:
+        return None, error
 
 
 def _stop_sync_actor(actor: Any) -> None:

@@ -163,9 +163,13 @@ class SyncActorImpl:
             averaged = {name: self.codec.roundtrip(t) for name, t in delta.items()}
             record.update(group_size=1, peers=[self.region], bytes_sent=0, bytes_received=0, consistent=True)
         else:
-            result = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self.averager.average(delta, weight=weight, round_index=outer_step)
-            )
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: self.averager.average(delta, weight=weight, round_index=outer_step)
+                )
+            except Exception as error:  # the region goes on alone this round rather than dying
+                self.record_event("averaging_error", error=repr(error)[:300])
+                result = self._alone(delta)
             averaged = result.averaged
             record.update(group_size=result.group_size, peers=list(result.peer_regions),
                           bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
@@ -193,6 +197,13 @@ class SyncActorImpl:
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, record["group_size"])
         return new_global
+
+    def _alone(self, delta: dict[str, torch.Tensor]):
+        from ray_diloco.averaging import RoundResult
+
+        averaged = {name: self.codec.roundtrip(t) for name, t in delta.items()}
+        return RoundResult(averaged=averaged, group_size=1, peer_regions=[self.region], bytes_sent=0,
+                           bytes_received=0, seconds=0.0, consistent=False, digest=state_digest(averaged))
 
     def shutdown(self) -> None:
         if self.averager is not None:

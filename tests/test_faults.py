@@ -34,3 +34,29 @@ def test_worker_killed_inside_a_region_restarts_and_the_run_finishes(local_ray, 
         assert [r["outer_step"] for r in summary["rounds"][region]] == [0, 1, 2]
     assert summary["regions_agree"], summary["global_digest"]
     assert summary["eval_loss"] < summary["eval_loss_at_start"]
+
+
+def test_one_of_three_regions_killed_the_others_finish_and_agree(local_ray, tmp_path):
+    matchmaking = 15.0
+    cfg = small_run(tmp_path, "kill-region", workers=[1, 1, 1], inner_steps=3, outer_steps=4,
+                    matchmaking_seconds=matchmaking, max_failures=0)
+    run = RunInThread(lambda: run_training(cfg))
+    victim = wait_for(lambda: sync_actor(cfg, "r2"), 180, "r2's SyncActor")
+    wait_for(lambda: ray.get(victim.outer_step.remote()) >= 1, 300, "r2's first outer step")
+    pids = ray.get(victim.worker_pids.remote())
+    ray.kill(victim)  # the region vanishes: its SyncActor and its worker
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+
+    summary = run.join(timeout=600)
+    assert [e["region"] for e in summary["events"] if e["event"] == "region_departed"] == ["r2"]
+    for region in ("r0", "r1"):
+        rounds = summary["rounds"][region]
+        assert [r["outer_step"] for r in rounds] == [0, 1, 2, 3]
+        assert rounds[-1]["group_size"] == 2 and rounds[-1]["peers"] == ["r0", "r1"]
+        # A round without r2 waits for it at most the matchmaking window (+ the all-reduce itself).
+        assert max(r["seconds"] for r in rounds) < matchmaking + 20, rounds
+    for step in range(4):
+        assert summary["rounds"]["r0"][step]["digest"] == summary["rounds"]["r1"][step]["digest"]
+    assert set(summary["global_digest"]) == {"r0", "r1"} and summary["regions_agree"]
+    assert summary["eval_loss"] == summary["eval_loss"] and summary["eval_loss"] < summary["eval_loss_at_start"]

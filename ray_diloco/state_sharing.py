@@ -1,0 +1,328 @@
+"""Sharing the outer state between regions: who holds what, which state is canonical, and loading it.
+
+Every region publishes a `StateRecord` in the DHT under a run-scoped key (subkey = region, value also carries
+its p2p peer id); `choose_canonical` / `needs_resync` are the pure policy; `StateSharer.load_from_peers`
+downloads (outer_step, θ_global, momentum) from a region whose record matches the wanted one.
+
+Transport: one libp2p stream handler per region on the DHT's own p2p daemon (a `P2P.replicate` client served
+from the sharer's asyncio thread, in this process). Not hivemind's averager state sharing: it picks the donor by
+priority (we need the holder of one digest), runs in a forked child and copies the whole state into shared
+memory per request. The state goes as raw bytes (exact, any dtype) in `chunk_bytes` messages after a small
+header (step, digest, names, dtypes, shapes). The client checks the header's step/digest, then the digest of
+the θ it received, and moves on to the next holder of the wanted digest on any failure or mismatch.
+
+Served state (consistency): by default (`snapshot=True`) `publish()` takes the state once — `get_state()` in
+the publishing thread, or the `state=` it is handed — checks step and digest against the record and serves
+that frozen copy until the next publish, so what is served always matches the published record; a download
+under way during a publish finishes the old, consistent copy. `snapshot=False` (no extra copy in memory):
+`get_state()` runs in the sharer's thread per request and must return a consistent, thread-safe snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout
+
+from ray_diloco.outer import state_digest
+
+logger = logging.getLogger(__name__)
+
+State = tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    region: str
+    outer_step: int  # outer steps applied to the published state
+    digest: str  # state_digest(θ_global)
+    group_size: int  # regions in the round that produced it (0 for the initial state)
+
+
+def choose_canonical(records: list[StateRecord]) -> StateRecord | None:
+    """The state every region should hold: highest outer_step; then the digest held by the most regions; then
+    the largest group_size; then the smallest digest. Of the winning digest's records: largest group, then region."""
+    if not records:
+        return None
+    top = max(r.outer_step for r in records)
+    by_digest: dict[str, list[StateRecord]] = defaultdict(list)
+    for record in records:
+        if record.outer_step == top:
+            by_digest[record.digest].append(record)
+    digest = min(by_digest, key=lambda d: (-len({r.region for r in by_digest[d]}),
+                                           -max(r.group_size for r in by_digest[d]), d))
+    return min(by_digest[digest], key=lambda r: (-r.group_size, r.region))
+
+
+def needs_resync(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:
+    """The canonical record if `own` differs from it, else None. `own` replaces its region's (maybe stale)
+    record among `records` and votes for its own digest; a canonical state is never at a lower step."""
+    canonical = choose_canonical([r for r in records if r.region != own.region] + [own])
+    return None if canonical is None or canonical.digest == own.digest else canonical
+
+
+def _safe(text: str, tag_of: str) -> str:
+    """No '.' or odd characters; distinct inputs stay distinct (hash tag of the original)."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', text)[:40]}_{hashlib.blake2b(tag_of.encode(), digest_size=4).hexdigest()}"
+
+
+def state_key(run_id: str) -> str:
+    """DHT key of a run's state records (two runs on one DHT never share it)."""
+    return f"diloco_{_safe(run_id, run_id)}_state"
+
+
+@dataclass(frozen=True)
+class _Served:
+    outer_step: int
+    digest: str
+    tensors: tuple[tuple[str, str, torch.Tensor], ...]  # (kind 'theta' | 'momentum', name, contiguous CPU tensor)
+
+
+def _freeze(state: State, copy: bool, digest: str | None = None) -> _Served:
+    step, theta, momentum = state
+    prepare = (lambda t: t.detach().cpu().clone()) if copy else (lambda t: t.detach().cpu().contiguous())
+    items = tuple(("theta", n, prepare(t)) for n, t in theta.items())
+    items += tuple(("momentum", n, prepare(t)) for n, t in momentum.items())
+    if digest is None:
+        digest = state_digest({n: t for kind, n, t in items if kind == "theta"})
+    return _Served(int(step), digest, items)
+
+
+class StateSharer:
+    def __init__(self, dht: DHT, run_id: str, region: str, get_state: Callable[[], State], *,
+                 ttl: float = 120.0, chunk_bytes: int = 2**19, chunk_timeout: float = 30.0,
+                 dht_timeout: float = 30.0, snapshot: bool = True, copy_state: bool = True):
+        """Serves this region's (outer_step, θ_global, momentum) to peers and publishes StateRecords in the DHT.
+
+        ttl: lifetime of a DHT record; a background thread re-stores the last one every ttl/3, so a region that
+        died disappears within ttl. copy_state=False: `get_state` already returns private copies nobody mutates.
+        """
+        if ttl <= 0 or chunk_bytes <= 0:
+            raise ValueError("ttl and chunk_bytes must be > 0")
+        self.dht, self.run_id, self.region, self.get_state = dht, run_id, region, get_state
+        self.ttl, self.chunk_bytes, self.chunk_timeout = float(ttl), int(chunk_bytes), float(chunk_timeout)
+        self.dht_timeout = float(dht_timeout)  # a DHT store/get that hangs (dead DHT process) raises instead
+        self.snapshot, self.copy_state = snapshot, copy_state
+        self.key = state_key(run_id)
+        self._record: StateRecord | None = None
+        self._served: _Served | None = None
+        self._expiration = 0.0
+        self._lock = threading.Lock()  # record + DHT stores in order: the last store always carries the newest
+        self._stop = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name=f"state-{region}", daemon=True)
+        self._loop_thread.start()
+        # Our own client of the DHT's p2p daemon, bound to our loop (dht.replicate_p2p() caches one replica per
+        # process on the DHT object: it would be tied to this loop for every other user in the process).
+        daemon_maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
+        self._p2p: P2P = self._run(self._start(daemon_maddr), timeout=60.0)
+        self.peer_id: PeerID = self._p2p.peer_id
+        self._refresher = threading.Thread(target=self._refresh_periodically, name=f"state-refresh-{region}",
+                                           daemon=True)
+        self._refresher.start()
+
+    # -- plumbing ------------------------------------------------------------------------------------
+    def _run(self, coro, timeout: float):
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
+        return future.result(timeout + 5.0)
+
+    def _handler_name(self, region: str) -> str:
+        return f"{self.key}::{_safe(region, region)}::download"
+
+    async def _start(self, daemon_maddr) -> P2P:
+        p2p = await P2P.replicate(daemon_maddr)
+        await p2p.add_protobuf_handler(self._handler_name(self.region), self._serve, averaging_pb2.DownloadRequest,
+                                       stream_output=True)
+        return p2p
+
+    def _store_locked(self, value) -> None:
+        expiration = max(get_dht_time() + self.ttl, self._expiration + 1e-3)  # later store must win
+        stored = self.dht.store(self.key, subkey=self.region, value=value, expiration_time=expiration,
+                                return_future=True).result(timeout=self.dht_timeout)
+        if not stored:
+            logger.warning("[%s] storing the state record in the DHT failed", self.region)
+        self._expiration = expiration
+
+    def _record_value(self) -> dict:
+        r = self._record
+        return dict(outer_step=r.outer_step, digest=r.digest, group_size=r.group_size,
+                    peer_id=self.peer_id.to_base58())
+
+    def _refresh_periodically(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                with self._lock:
+                    if self._record is not None and not self._stop.is_set():
+                        self._store_locked(self._record_value())
+            except Exception as e:  # the DHT may be shutting down
+                logger.debug("[%s] refreshing the state record failed: %r", self.region, e)
+
+    # -- publishing ----------------------------------------------------------------------------------
+    def publish(self, record: StateRecord, state: State | None = None, verify: bool = True) -> None:
+        """Store `record` in the DHT (subkey = region, expires after ttl unless refreshed). snapshot mode: serve
+        `state` (default: get_state(), called here) from now on; verify: its step and digest must match."""
+        if self._stop.is_set():
+            raise RuntimeError(f"[{self.region}] the state sharer is shut down")
+        if record.region != self.region:
+            raise ValueError(f"record of region {record.region!r} published by {self.region!r}")
+        served = None
+        if self.snapshot:
+            state = state if state is not None else self.get_state()
+            served = _freeze(state, self.copy_state, digest=None if verify else record.digest)
+            if verify and (served.outer_step, served.digest) != (record.outer_step, record.digest):
+                raise ValueError(f"[{self.region}] the state is at step {served.outer_step} with digest "
+                                 f"{served.digest}, but the record says {record.outer_step} / {record.digest}")
+        with self._lock:
+            self._record = record
+            if served is not None:
+                self._served = served
+            self._store_locked(self._record_value())
+
+    def _holders(self) -> list[tuple[StateRecord, PeerID]]:
+        found = self.dht.get(self.key, latest=True, return_future=True).result(timeout=self.dht_timeout)
+        holders = []
+        if found is None or not isinstance(found.value, dict):
+            return holders
+        for region, item in found.value.items():
+            value = getattr(item, "value", None)
+            try:
+                record = StateRecord(str(region), int(value["outer_step"]), str(value["digest"]),
+                                     int(value["group_size"]))
+                holders.append((record, PeerID.from_base58(value["peer_id"])))
+            except (TypeError, KeyError, ValueError):  # a tombstone (None) or a malformed entry
+                continue
+        return sorted(holders, key=lambda h: h[0].region)
+
+    def records(self) -> list[StateRecord]:
+        """All current records of this run (including our own), sorted by region."""
+        return [record for record, _ in self._holders()]
+
+    # -- serving -------------------------------------------------------------------------------------
+    async def _serve(self, request: averaging_pb2.DownloadRequest, context: P2PContext):
+        if self.snapshot:
+            served = self._served
+        else:
+            served = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: _freeze(self.get_state(), copy=False))
+        if served is None:
+            return  # nothing published yet: the client sees a stream without a header
+        header = dict(region=self.region, outer_step=served.outer_step, digest=served.digest,
+                      tensors=[[kind, name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                               for kind, name, t in served.tensors])
+        yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(header))
+        for _, _, tensor in served.tensors:
+            raw = tensor.reshape(-1).view(torch.uint8).numpy()
+            for offset in range(0, raw.size, self.chunk_bytes):
+                chunk = raw[offset:offset + self.chunk_bytes].tobytes()
+                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=chunk))
+
+    # -- loading -------------------------------------------------------------------------------------
+    async def _download(self, peer: PeerID, region: str, want: StateRecord) -> State:
+        stream = await self._p2p.iterate_protobuf_handler(
+            peer, self._handler_name(region), averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData)
+        messages = aiter_with_timeout(stream, self.chunk_timeout)
+        try:
+            first = await anext(messages, None)
+            if first is None or not first.metadata:
+                raise RuntimeError("the peer serves no state")
+            header = MSGPackSerializer.loads(first.metadata)
+            if (header["outer_step"], header["digest"]) != (want.outer_step, want.digest):
+                raise RuntimeError(f"the peer serves step {header['outer_step']} / {header['digest']}")
+            theta, momentum = {}, {}
+            for kind, name, dtype, shape in header["tensors"]:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                raw = tensor.reshape(-1).view(torch.uint8).numpy()  # writes land in `tensor`
+                offset = 0
+                while offset < raw.size:
+                    message = await anext(messages, None)
+                    if message is None:
+                        raise RuntimeError("the stream ended early")
+                    chunk = message.tensor_part.buffer
+                    if offset + len(chunk) > raw.size:
+                        raise RuntimeError("the peer sent more bytes than announced")
+                    raw[offset:offset + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                    offset += len(chunk)
+                (theta if kind == "theta" else momentum)[name] = tensor
+            return int(header["outer_step"]), theta, momentum
+        finally:
+            await messages.aclose()
+            await stream.aclose()
+
+    def load_from_peers(self, want: StateRecord | None = None, timeout: float = 60.0) -> State | None:
+        """(outer_step, θ_global, momentum) from a peer whose record matches `want` (its region first, then other
+        regions with the same step and digest), or the canonical state if want is None. The received θ_global
+        must have want.digest; on any failure or mismatch the next holder is tried. None if nobody delivered."""
+        deadline = time.monotonic() + timeout
+        if self._stop.is_set():
+            raise RuntimeError(f"[{self.region}] the state sharer is shut down")
+        try:
+            holders = self._holders()
+        except Exception as e:  # the DHT did not answer
+            logger.warning("[%s] reading the state records failed: %r", self.region, e)
+            return None
+        if want is None:
+            want = choose_canonical([record for record, _ in holders])
+            if want is None:
+                return None
+        candidates = sorted(((r, p) for r, p in holders
+                             if (r.outer_step, r.digest) == (want.outer_step, want.digest)
+                             and r.region != self.region and p != self.peer_id),
+                            key=lambda h: (h[0].region != want.region, h[0].region))
+        for record, peer in candidates:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            start = time.monotonic()
+            try:
+                state = self._run(self._download(peer, record.region, want), timeout=remaining)
+            except Exception as e:
+                logger.warning("[%s] loading the state from %s failed: %r", self.region, record.region, e)
+                continue
+            digest = state_digest(state[1])
+            if digest != want.digest:
+                logger.warning("[%s] %s sent θ with digest %s, not %s", self.region, record.region, digest,
+                               want.digest)
+                continue
+            logger.info("[%s] loaded outer step %d (%s) from %s in %.2fs", self.region, state[0], digest,
+                        record.region, time.monotonic() - start)
+            return state
+        return None
+
+    def shutdown(self) -> None:
+        """Withdraw our record (a tombstone that outlives it), stop serving, stop the threads."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            with self._lock:
+                if self._record is not None and self.dht.is_alive():
+                    self._store_locked(None)
+        except Exception as e:
+            logger.debug("[%s] withdrawing the state record failed: %r", self.region, e)
+        try:
+            self._run(self._stop_p2p(), timeout=10.0)
+        except Exception as e:
+            logger.debug("[%s] stopping p2p failed: %r", self.region, e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(5.0)
+        self._refresher.join(5.0)
+
+    async def _stop_p2p(self) -> None:
+        try:
+            await self._p2p.remove_protobuf_handler(self._handler_name(self.region), stream_output=True)
+        finally:
+            await self._p2p.shutdown()

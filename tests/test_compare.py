@@ -1,0 +1,87 @@
+"""`benchmarks/compare.py` end to end at tiny sizes (2 workers/regions, H=2, T=2, 2 warm-start steps).
+
+Checks that one invocation writes the JSON, Markdown and PNG; that the table has every arm (ddp,
+diloco-none, diloco-fp16, single) with every column filled and finite; that all arms start from the one
+warm start (same held-out loss at start) with equal tokens per worker; and the wire-byte ratios:
+fp16 sends 0.50× of fp32 (± 2 % framing), and DiLoCo's bytes per region are at most 1/H of DDP's bytes
+per worker times the codec ratio (fp16 0.5, none 1.0), plus a little framing.
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+H, T, WORKERS = 2, 2, 2
+
+
+def load_compare():
+    spec = importlib.util.spec_from_file_location("compare", ROOT / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    compare = load_compare()
+    code = compare.main(["--workers", str(WORKERS), "--inner-steps", str(H), "--outer-steps", str(T),
+                         "--warmup-steps", "2", "--seq-len", "32", "--batch-size", "2", "--eval-windows", "8",
+                         "--output-dir", str(out)])
+    assert code == 0
+    return out, json.loads((out / "compare.json").read_text())
+
+
+def test_writes_json_markdown_and_plot(result):
+    out, data = result
+    markdown = (out / "compare.md").read_text()
+    for label in ("ddp", "diloco-none", "diloco-fp16", "single"):
+        assert f"| {label} |" in markdown
+    png = Path(data["plot"])
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["machine"]["nproc"] >= 1 and data["machine"]["torch"]
+
+
+def test_every_row_and_column_is_filled_and_finite(result):
+    _, data = result
+    rows = {r["run"]: r for r in data["rows"]}
+    assert list(rows) == ["ddp", "diloco-none", "diloco-fp16", "single"]
+    numeric = ("tokens", "tokens_per_worker", "eval_loss_at_start", "eval_loss", "eval_perplexity",
+               "bytes_sent_per_region", "bytes_ratio_to_ddp", "expected_bytes_ratio",
+               "tokens_per_second_per_worker", "wall_seconds", "steps_per_worker")
+    for row in rows.values():
+        for key in numeric:
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (row["run"], key, row[key])
+        assert row["tokens_per_second_per_worker"] > 0 and row["wall_seconds"] > 0
+    # One warm start, equal tokens per worker, the same steps.
+    warm_loss = data["warm_start"]["eval_loss"]
+    per_worker = 2 * 32 * H * T  # batch × seq × steps
+    for row in rows.values():
+        assert row["eval_loss_at_start"] == pytest.approx(warm_loss, abs=1e-4), row
+        assert row["tokens_per_worker"] == per_worker and row["steps_per_worker"] == H * T
+    assert rows["ddp"]["tokens"] == WORKERS * per_worker and rows["single"]["tokens"] == per_worker
+    for label in ("diloco-none", "diloco-fp16"):
+        assert rows[label]["min_regions_in_round"] == WORKERS and rows[label]["regions_agree"]
+    # Curves: from the warm start (0 tokens) to the final tokens per worker, one point per outer step.
+    for label, points in data["curves"].items():
+        assert points[0]["tokens_per_worker"] == 0 and points[-1]["tokens_per_worker"] == per_worker, label
+        assert len(points) == T + 1 and all(math.isfinite(p["eval_loss"]) for p in points), label
+
+
+def test_wire_bytes_fp16_is_half_of_fp32_and_diloco_sends_at_most_1_over_h_of_ddp(result):
+    _, data = result
+    rows = {r["run"]: r for r in data["rows"]}
+    none, fp16, ddp = rows["diloco-none"], rows["diloco-fp16"], rows["ddp"]
+    assert none["bytes_sent_per_region"] > 0 and fp16["bytes_sent_per_region"] > 0
+    assert fp16["bytes_sent_per_region"] / none["bytes_sent_per_region"] == pytest.approx(0.5, rel=0.02)
+    for row, codec_ratio in ((none, 1.0), (fp16, 0.5)):
+        bound = ddp["bytes_sent_per_region"] / H * codec_ratio
+        for region, sent in row["bytes_sent_by_group"].items():
+            assert sent <= bound * 1.02, (row["run"], region, sent, bound)
+            assert sent >= bound * 0.95, (row["run"], region, sent, bound)  # and it did send the Δ
+        assert row["bytes_ratio_to_ddp"] == pytest.approx(codec_ratio / H, rel=0.02)
+    assert ddp["bytes_ratio_to_ddp"] == 1.0 and rows["single"]["bytes_sent_per_region"] == 0
