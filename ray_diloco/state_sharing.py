@@ -75,14 +75,14 @@ def needs_resync(own: StateRecord, records: list[StateRecord]) -> StateRecord | 
     return None if canonical is None or canonical.digest == own.digest else canonical
 
 
-def _safe(text: str, tag_of: str) -> str:
+def _safe(text: str) -> str:
     """No '.' or odd characters; distinct inputs stay distinct (hash tag of the original)."""
-    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', text)[:40]}_{hashlib.blake2b(tag_of.encode(), digest_size=4).hexdigest()}"
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', text)[:40]}_{hashlib.blake2b(text.encode(), digest_size=4).hexdigest()}"
 
 
 def state_key(run_id: str) -> str:
     """DHT key of a run's state records (two runs on one DHT never share it)."""
-    return f"diloco_{_safe(run_id, run_id)}_state"
+    return f"diloco_{_safe(run_id)}_state"
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,11 @@ class _Served:
 
 
 def _freeze(state: State, copy: bool, digest: str | None = None) -> _Served:
+    def prepare(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().cpu()
+        return t.clone(memory_format=torch.contiguous_format) if copy else t.contiguous()
+
     step, theta, momentum = state
-    prepare = (lambda t: t.detach().cpu().clone()) if copy else (lambda t: t.detach().cpu().contiguous())
     items = tuple(("theta", n, prepare(t)) for n, t in theta.items())
     items += tuple(("momentum", n, prepare(t)) for n, t in momentum.items())
     if digest is None:
@@ -141,7 +144,7 @@ class StateSharer:
         return future.result(timeout + 5.0)
 
     def _handler_name(self, region: str) -> str:
-        return f"{self.key}::{_safe(region, region)}::download"
+        return f"{self.key}::{_safe(region)}::download"
 
     async def _start(self, daemon_maddr) -> P2P:
         p2p = await P2P.replicate(daemon_maddr)

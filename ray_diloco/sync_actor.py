@@ -56,17 +56,23 @@ class SyncActorImpl:
                                     nesterov=cfg.outer.nesterov)
         self.codec = get_codec(cfg.outer.compression)
         self.expected_regions = len(cfg.regions)
-        self.averager = None
-        if self.expected_regions > 1:
-            from ray_diloco.averaging import RegionAverager  # hivemind is only needed across regions
+        self.averager = self.sharer = None
+        peers = list(initial_peers or cfg.outer.initial_peers)
+        if self.expected_regions > 1 or peers:  # hivemind is only needed across regions
+            from ray_diloco.averaging import RegionAverager
+            from ray_diloco.state_sharing import StateSharer
 
             self.averager = RegionAverager(
-                run_id=cfg.run.name, region=region, expected_regions=self.expected_regions,
-                compression=cfg.outer.compression,
-                initial_peers=list(initial_peers or cfg.outer.initial_peers) or None,
+                run_id=cfg.run.name, region=region, expected_regions=max(2, self.expected_regions),
+                compression=cfg.outer.compression, initial_peers=peers or None,
                 host=cfg.outer.host, matchmaking_seconds=cfg.outer.matchmaking_seconds,
                 averaging_timeout=cfg.outer.averaging_timeout,
             )
+            # Every region publishes (outer step, digest of θ_global) and serves its outer state, so a late
+            # region re-syncs and a joining one starts from the run's state. A killed region's record
+            # expires after `ttl`, which also shrinks the group the others wait for.
+            self.sharer = StateSharer(self.averager.dht, cfg.run.name, region, self._snapshot,
+                                      ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False)
         self._rounds: dict[int, _PendingRound] = {}
         self.history: list[dict] = []
         self.bytes_sent = self.bytes_received = 0
@@ -78,6 +84,10 @@ class SyncActorImpl:
         self.evaluator = evaluator  # set on one region only: θ_global is the same everywhere
         self.workers: dict[int, dict] = {}  # rank -> {pid, host}: who trains this region now
         self.events: list[dict] = []  # restarts, departures, joins — for status lines and summary.json
+        self._digest = state_digest(self.outer.global_state())
+        if self.sharer is not None:
+            self._join_if_behind()
+            self._publish(group_size=0)
 
     # -- discovery and state -------------------------------------------------------------------------
     def multiaddrs(self) -> list[str]:
@@ -110,7 +120,58 @@ class SyncActorImpl:
         return {name: t.clone() for name, t in self.outer.global_state().items()}
 
     def digest(self) -> str:
-        return state_digest(self.outer.global_state())
+        return self._digest
+
+    # -- membership: publish, re-sync, join --------------------------------------------------------------
+    def _snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        clone = lambda tensors: {name: t.clone() for name, t in tensors.items()}  # noqa: E731
+        return self.outer.step_count, clone(self.outer.global_state()), clone(self.outer.momentum_state())
+
+    def _own_record(self, group_size: int):
+        from ray_diloco.state_sharing import StateRecord
+
+        return StateRecord(self.region, self.outer.step_count, self._digest, group_size)
+
+    def _publish(self, group_size: int) -> None:
+        self.sharer.publish(self._own_record(group_size), state=self._snapshot(), verify=False)
+
+    def _adopt(self, want, kind: str) -> bool:
+        """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord)."""
+        state = self.sharer.load_from_peers(want, timeout=self.config.outer.averaging_timeout)
+        if state is None:
+            self.record_event(f"{kind}_failed", wanted_step=want.outer_step, wanted_digest=want.digest)
+            return False
+        step, theta, momentum = state
+        cfg, old_step = self.config.outer, self.outer.step_count
+        self.outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        self.outer.load_momentum(momentum)
+        self.outer.step_count = step
+        self._digest = state_digest(self.outer.global_state())
+        self.record_event(kind, from_step=old_step, to_step=step, digest=self._digest, source=want.region)
+        return True
+
+    def _join_if_behind(self) -> None:
+        """A region starting mid-run takes the run's state before its workers take their first step."""
+        from ray_diloco.state_sharing import choose_canonical
+
+        others = [r for r in self.sharer.records() if r.region != self.region]
+        canonical = choose_canonical(others)
+        if canonical is not None and canonical.outer_step > self.outer.step_count:
+            self._adopt(canonical, "region_joined")
+
+    def _resync_and_count_regions(self) -> None:
+        """Before a round: adopt the canonical state if ours diverged (a round we missed or that failed),
+        and expect as many regions as publish a live record (departed ones expire, joined ones appear)."""
+        from ray_diloco.state_sharing import needs_resync
+
+        records = self.sharer.records()
+        target = needs_resync(self._own_record(0), records)
+        if target is not None:
+            self._adopt(target, "resync")
+        # Every region with a live record counts, also one still catching up: it re-syncs at its next
+        # exchange and joins the round the others wait in. Departed regions drop out when their record expires.
+        live = {r.region for r in records} | {self.region}
+        self.averager.expected_regions = len(live)  # 1: nobody else is left, the round runs alone at once
 
     def recorded_rounds(self) -> list[dict]:
         return self.recorded
@@ -127,14 +188,10 @@ class SyncActorImpl:
         }
 
     # -- the outer step ------------------------------------------------------------------------------
-    async def exchange(self, outer_step: int, rank: int, world_size: int,
-                       shards: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
-        """Called by every rank after H inner steps; returns that rank's rows of the new θ_global."""
-        if outer_step != self.outer.step_count:
-            raise RuntimeError(
-                f"[{self.region}] rank {rank} is at outer step {outer_step} but the SyncActor is at "
-                f"{self.outer.step_count}: the region's workers and its outer state are out of step"
-            )
+    async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, torch.Tensor],
+                       tokens: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Called by every rank after H inner steps (`outer_step` counts the region's own rounds); returns
+        the outer step now reached (ahead of the workers' count after a re-sync) and the rank's rows."""
         pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
         pending.shards[rank] = shards
         pending.tokens_by_rank[rank] = tokens
@@ -149,12 +206,16 @@ class SyncActorImpl:
         await pending.done.wait()
         if pending.error is not None:
             raise pending.error
-        return rows_for_rank(pending.new_global, world_size, rank)
+        return self.outer.step_count, rows_for_rank(pending.new_global, world_size, rank)
 
-    async def _run_round(self, outer_step: int, pending: _PendingRound) -> dict[str, torch.Tensor]:
+    async def _run_round(self, workers_step: int, pending: _PendingRound) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
         local = assemble(pending.shards, self.shapes)
+        # The region's own pseudo-gradient: from the θ_global its workers started this round from.
         delta = self.outer.pseudo_gradient(local)
+        if self.sharer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._resync_and_count_regions)
+        outer_step = self.outer.step_count
         tokens = sum(pending.tokens_by_rank.values())
         weight = float(max(tokens, 1))
         record = {"outer_step": outer_step, "tokens": tokens}
@@ -176,17 +237,22 @@ class SyncActorImpl:
                           consistent=result.consistent, average_seconds=round(result.seconds, 3))
             self.bytes_sent += result.bytes_sent
             self.bytes_received += result.bytes_received
-            if result.group_size < self.expected_regions:
+            if result.group_size < self.averager.expected_regions:
                 logger.warning("[%s] outer step %d averaged with %d of %d regions: %s", self.region,
-                               outer_step, result.group_size, self.expected_regions, result.peer_regions)
+                               outer_step, result.group_size, self.averager.expected_regions,
+                               result.peer_regions)
             if not result.consistent:
                 logger.error("[%s] outer step %d: a region dropped mid-round; parts stayed un-averaged",
                              self.region, outer_step)
         new_global = self.outer.step(averaged)
+        self._digest = state_digest(new_global)
+        if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
+            group = record["group_size"] if record["consistent"] else 1
+            await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish(group))
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens
-        record.update(seconds=round(seconds, 3), digest=state_digest(new_global))
+        record.update(seconds=round(seconds, 3), digest=self._digest)
         self.history.append(record)
         if self.record_rounds:
             self.recorded.append({"local": local, "tokens": tokens,
@@ -206,6 +272,9 @@ class SyncActorImpl:
                            bytes_received=0, seconds=0.0, consistent=False, digest=state_digest(averaged))
 
     def shutdown(self) -> None:
+        if self.sharer is not None:
+            self.sharer.shutdown()
+            self.sharer = None
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None

@@ -106,8 +106,7 @@ class InnerStep:
     def __init__(self, model, cfg: ExperimentConfig, device: torch.device, start_step: int):
         self.model, self.cfg, self.device = model, cfg, device
         self.optimizer, self.scheduler = build_inner_optimizer(model.parameters(), cfg.inner, cfg.total_inner_steps)
-        for _ in range(start_step):
-            self.scheduler.step()  # keep the learning-rate schedule aligned with the run's position
+        self.align(start_step)
         self.autocast, self.scaler = autocast_for(cfg.inner.precision, device)
 
     def __call__(self, batches: _Batches) -> tuple[torch.Tensor, int]:
@@ -135,6 +134,11 @@ class InnerStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, tokens
+
+    def align(self, step: int) -> None:
+        """Move the learning-rate schedule to inner step `step` of the run (resume, join, re-sync)."""
+        while self.scheduler.last_epoch < step:
+            self.scheduler.step()
 
     @property
     def lr(self) -> float:
@@ -171,7 +175,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     tokens_total, last_sync_seconds, sync_seconds_total = 0, 0.0, 0.0
     loop_started = time.perf_counter()
     peers = str(len(cfg.regions)) if sync_actor is not None else "-"
-    for outer_step in range(start_outer, cfg.run.outer_steps):
+    outer_step = start_outer
+    while outer_step < cfg.run.outer_steps:
         tokens_this_round = 0
         for inner in range(H):
             started = time.perf_counter()
@@ -188,20 +193,25 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         tokens_total += tokens_this_round
         if sync_actor is not None:
             sync_started = time.perf_counter()
-            rows = ray.get(sync_actor.exchange.remote(outer_step, rank, world_size, shards_of(model),
-                                                      tokens_this_round))
+            reached, rows = ray.get(sync_actor.exchange.remote(outer_step, rank, world_size, shards_of(model),
+                                                               tokens_this_round))
             load_rows(model, rows)
             last_sync_seconds = time.perf_counter() - sync_started
             sync_seconds_total += last_sync_seconds
+            if reached != outer_step + 1:  # the SyncActor re-synced to the run's (later) outer step
+                inner_step.align(reached * H)
             if rank == 0:
                 round_info = ray.get(sync_actor.last_round.remote())
                 peers = str(round_info["group_size"])
-                status(f"[{region}] outer step {outer_step + 1}/{cfg.run.outer_steps} synced in "
+                status(f"[{region}] outer step {reached}/{cfg.run.outer_steps} synced in "
                        f"{last_sync_seconds:.2f}s with {peers} region(s): {', '.join(round_info['peers'])}")
-        elif evaluator is not None and cfg.run.eval_every and (outer_step + 1) % cfg.run.eval_every == 0:
-            state = full_state(model)  # every rank takes part in the gather
-            if rank == 0:
-                evaluator.evaluate.remote(outer_step + 1, state)
+            outer_step = reached
+        else:
+            outer_step += 1
+            if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:
+                state = full_state(model)  # every rank takes part in the gather
+                if rank == 0:
+                    evaluator.evaluate.remote(outer_step, state)
     result = {"rank": rank, "tokens_per_worker": tokens_total, "epochs": batches.epoch, "world_size": world_size,
               # Time in the loop, and the part of it this rank waited on outer steps (compute utilization).
               "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total}

@@ -1,16 +1,21 @@
-"""Fault injection on real processes: a worker killed by PID inside a region, mid-run.
+"""Fault injection on real processes (kill by PID, `ray.kill`) and regions joining mid-run.
 
-The region's Ray Train group restarts (FailureConfig), its new workers load θ_global from the region's
-SyncActor (which kept the outer state), the run finishes every outer step, the other region goes on, and
-summary.json records the restart.
+- A worker killed inside a region: the region's Ray Train group restarts (FailureConfig), its new workers
+  load θ_global from the region's SyncActor (which kept the outer state) and the run finishes.
+- One of three regions killed: the other two finish every outer step, agree bit for bit, and no round
+  waits longer than the matchmaking window.
+- A region joining after outer step 2 loads θ_global from its peers over Hivemind (bit-identical) and
+  takes part in the following rounds.
 """
 
+import dataclasses
 import os
 import signal
 
 import ray
 
 from conftest import RunInThread, small_run, wait_for
+from ray_diloco.config import RegionConfig
 from ray_diloco.driver import run_training
 
 
@@ -60,3 +65,27 @@ def test_one_of_three_regions_killed_the_others_finish_and_agree(local_ray, tmp_
         assert summary["rounds"]["r0"][step]["digest"] == summary["rounds"]["r1"][step]["digest"]
     assert set(summary["global_digest"]) == {"r0", "r1"} and summary["regions_agree"]
     assert summary["eval_loss"] == summary["eval_loss"] and summary["eval_loss"] < summary["eval_loss_at_start"]
+
+
+def test_a_region_joining_after_outer_step_2_starts_from_the_peers_state(local_ray, tmp_path):
+    cfg = small_run(tmp_path / "first", "join", workers=[1, 1], inner_steps=3, outer_steps=10,
+                    matchmaking_seconds=20.0)
+    run = RunInThread(lambda: run_training(cfg))
+    first = wait_for(lambda: sync_actor(cfg, "r0"), 180, "r0's SyncActor")
+    wait_for(lambda: ray.get(first.outer_step.remote()) >= 2, 400, "outer step 2")
+    # The joiner is configured as a run of its own (as from another Ray cluster) that knows one peer.
+    joiner_cfg = dataclasses.replace(
+        cfg, regions=[RegionConfig(name="r2", workers=1)],
+        outer=dataclasses.replace(cfg.outer, initial_peers=ray.get(first.multiaddrs.remote())),
+        run=dataclasses.replace(cfg.run, output_dir=str(tmp_path / "joiner")))
+    joined = RunInThread(lambda: run_training(joiner_cfg))
+
+    summary, joiner = run.join(timeout=900), joined.join(timeout=900)
+    joins = [e for e in joiner["events"] if e["event"] == "region_joined"]
+    assert len(joins) == 1 and joins[0]["to_step"] >= 2, joiner["events"]
+    # It started from exactly the θ_global the others held after that outer step.
+    assert joins[0]["digest"] == summary["rounds"]["r0"][joins[0]["to_step"] - 1]["digest"]
+    # The last round included it, and all three regions end bit-identical.
+    assert summary["rounds"]["r0"][-1]["group_size"] == 3, summary["rounds"]["r0"]
+    assert sorted(summary["rounds"]["r0"][-1]["peers"]) == ["r0", "r1", "r2"]
+    assert joiner["global_digest"]["r2"] == summary["global_digest"]["r0"] == summary["global_digest"]["r1"]

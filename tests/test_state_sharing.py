@@ -4,9 +4,9 @@ Three DHTs (the 2nd and 3rd join the 1st) are shared by the module; each test us
 never sits on the same DHT as the holder it loads from (libp2p does not dial itself). Checks that:
 * choose_canonical: the highest step wins, then the digest most regions hold, then the largest group, then the
   smallest digest (independent of the input order); needs_resync gives None when own == canonical;
-* B loads A's (outer_step, θ, momentum) bit-identically (several dtypes, a scalar, tensors split into many
-  chunks, no momentum at step 0); A changing its tensors in place without publishing does not change what is
-  served (the published snapshot); after A republishes, B gets the new state, not the old;
+* B loads A's (outer_step, θ, momentum) bit-identically (fp32/fp64, a scalar, a transposed tensor, tensors
+  split into many chunks, no momentum at step 0); A changing its tensors in place without publishing does not
+  change what is served (the published snapshot); after A republishes, B gets the new state, not the old;
 * with X held by two regions at step 3 and Y by one, the odd one's needs_resync is X's record and
   load_from_peers(want=X) yields θ with digest X, also when the wanted holder lies (serves Y under an X record:
   the next holder of X is used) and from a holder in lazy mode (snapshot=False);
@@ -77,7 +77,8 @@ class Region:
         g = torch.Generator().manual_seed(seed)
         self.step = step
         self.theta = {"emb": torch.randn(300, 70, generator=g), "w": torch.randn(5, 3, 2, generator=g),
-                      "s": torch.randn((), generator=g), "d": torch.randn(33, generator=g, dtype=torch.float64)}
+                      "s": torch.randn((), generator=g), "d": torch.randn(33, generator=g, dtype=torch.float64),
+                      "t": torch.randn(7, 5, generator=g).t()}  # not contiguous
         self.momentum = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in self.theta.items()
                          if k != "s"} if momentum else {}
 
