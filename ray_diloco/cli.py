@@ -49,8 +49,34 @@ def build_parser() -> argparse.ArgumentParser:
                             "single: one worker. Same model, data, inner optimizer and steps")
     train.add_argument("--init-from", metavar="DIR", help="warm start from a saved model (a run's model/ dir)")
     train.add_argument("--eval-every", type=int, metavar="K", help="held-out loss every K outer steps")
+    train.add_argument("--checkpoint-every", type=int, metavar="K", help="save outer state every K outer steps")
+    train.add_argument("--resume", action="store_true", help="continue the run of the same --run-name from its "
+                       "latest outer checkpoints")
     train.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    export = commands.add_parser("export", help="write θ_global of an outer checkpoint as a Hugging Face model dir")
+    export.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="<run>/checkpoints/<region>/outer-NNNNNN, or <run>/checkpoints/<region> for the latest")
+    export.add_argument("--out", required=True, metavar="DIR")
     return parser
+
+
+def export_checkpoint(checkpoint: str, out: str) -> Path:
+    """θ_global of an outer checkpoint + the run's config + tokenizer → `save_pretrained` directory."""
+    from ray_diloco.checkpoint import latest_checkpoint, load_outer_checkpoint
+    from ray_diloco.model import build_model, save_model
+    from ray_diloco.tokenizer import load_tokenizer
+
+    path = Path(checkpoint)
+    chosen = latest_checkpoint(path) or path
+    run_dir = chosen.parents[2]  # <run>/checkpoints/<region>/outer-N
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--checkpoint: {chosen} is not inside a run directory with config.yaml")
+    cfg = ExperimentConfig.load(run_dir / "config.yaml")
+    step, theta, _ = load_outer_checkpoint(chosen)
+    model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed)
+    save_model(model, theta, Path(out), load_tokenizer(cfg.data.tokenizer))
+    print(f"exported outer step {step} of {run_dir.name} to {out}")
+    return Path(out)
 
 
 def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
@@ -102,9 +128,11 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
     run = cfg.run
     for flag, field in (("outer_steps", "outer_steps"), ("seed", "seed"), ("output_dir", "output_dir"),
                         ("run_name", "name"), ("mode", "mode"), ("init_from", "init_from"),
-                        ("eval_every", "eval_every")):
+                        ("eval_every", "eval_every"), ("checkpoint_every", "checkpoint_every")):
         if getattr(args, flag) is not None:
             run = replace(run, **{field: getattr(args, flag)})
+    if args.resume:
+        run = replace(run, resume=True)
     return replace(cfg, regions=regions, outer=outer, data=data, run=run)
 
 
@@ -118,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"seq {cfg.data.seq_len:5d} H {cfg.outer.inner_steps:4d} "
                       f"regions {len(cfg.regions)}x{cfg.regions[0].workers}"
                       + ("  (default)" if name == DEFAULT_PRESET else ""))
+            return 0
+        if args.command == "export":
+            export_checkpoint(args.checkpoint, args.out)
             return 0
         cfg = resolve_config(args)
         if args.command == "config":

@@ -202,6 +202,10 @@ class RunConfig:
     """The run writes to output_dir/name/ (summary.json, config.yaml, model/, Ray Train storage)."""
     init_from: str | None = None
     """Warm start: a saved model directory (a run's model/ or `ray-diloco export`) instead of the seeded init."""
+    checkpoint_every: int = 0
+    """Save each region's outer state (θ_global, momentum, outer step) every this many outer steps; 0: never."""
+    resume: bool = False
+    """Continue the run of the same name from its latest outer checkpoints."""
     max_failures: int = 1
     """Restarts of a region's group after a worker dies (Ray Train FailureConfig); it resumes from θ_global."""
     eval_every: int = 0
@@ -215,6 +219,7 @@ class RunConfig:
         )
         _require(self.mode in MODES, "run.mode", f"must be one of {MODES}, got {self.mode!r}")
         _require(self.outer_steps >= 1, "run.outer_steps", f"must be >= 1, got {self.outer_steps}")
+        _require(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0 disables checkpoints)")
         _require(self.max_failures >= 0, "run.max_failures", f"must be >= 0, got {self.max_failures}")
         _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
 

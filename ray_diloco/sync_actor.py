@@ -13,10 +13,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 import torch
 
+from ray_diloco.checkpoint import checkpoint_dir, latest_checkpoint, load_outer_checkpoint, save_outer_checkpoint
 from ray_diloco.codecs import get_codec
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
@@ -85,6 +87,9 @@ class SyncActorImpl:
         self.workers: dict[int, dict] = {}  # rank -> {pid, host}: who trains this region now
         self.events: list[dict] = []  # restarts, departures, joins — for status lines and summary.json
         self._digest = state_digest(self.outer.global_state())
+        self.checkpoints = checkpoint_dir(Path(cfg.run.output_dir).resolve() / cfg.run.name, region)
+        if cfg.run.resume:
+            self._resume_from_checkpoint()
         if self.sharer is not None:
             self._join_if_behind()
             self._publish(group_size=0)
@@ -141,14 +146,30 @@ class SyncActorImpl:
         if state is None:
             self.record_event(f"{kind}_failed", wanted_step=want.outer_step, wanted_digest=want.digest)
             return False
-        step, theta, momentum = state
-        cfg, old_step = self.config.outer, self.outer.step_count
+        old_step = self.outer.step_count
+        self._set_state(*state)
+        self.record_event(kind, from_step=old_step, to_step=self.outer.step_count, digest=self._digest,
+                          source=want.region)
+        return True
+
+    def _set_state(self, step: int, theta: dict, momentum: dict) -> None:
+        cfg = self.config.outer
         self.outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
         self.outer.load_momentum(momentum)
         self.outer.step_count = step
         self._digest = state_digest(self.outer.global_state())
-        self.record_event(kind, from_step=old_step, to_step=step, digest=self._digest, source=want.region)
-        return True
+
+    def _resume_from_checkpoint(self) -> None:
+        latest = latest_checkpoint(self.checkpoints)
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.checkpoints}; "
+                                    "was the run started with run.checkpoint_every > 0?")
+        self._set_state(*load_outer_checkpoint(latest))
+        self.record_event("resumed", checkpoint=str(latest), digest=self._digest)
+
+    def _save_checkpoint(self) -> None:
+        step, theta, momentum = self._snapshot()
+        save_outer_checkpoint(self.checkpoints, step, theta, momentum)
 
     def _join_if_behind(self) -> None:
         """A region starting mid-run takes the run's state before its workers take their first step."""
@@ -249,6 +270,9 @@ class SyncActorImpl:
         if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
             group = record["group_size"] if record["consistent"] else 1
             await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish(group))
+        every = self.config.run.checkpoint_every
+        if every and self.outer.step_count % every == 0:
+            await asyncio.get_running_loop().run_in_executor(None, self._save_checkpoint)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens

@@ -13,6 +13,7 @@ import os
 import signal
 
 import ray
+import torch
 
 from conftest import RunInThread, small_run, wait_for
 from ray_diloco.config import RegionConfig
@@ -89,3 +90,31 @@ def test_a_region_joining_after_outer_step_2_starts_from_the_peers_state(local_r
     assert summary["rounds"]["r0"][-1]["group_size"] == 3, summary["rounds"]["r0"]
     assert sorted(summary["rounds"]["r0"][-1]["peers"]) == ["r0", "r1", "r2"]
     assert joiner["global_digest"]["r2"] == summary["global_digest"]["r0"] == summary["global_digest"]["r1"]
+
+
+def test_a_stopped_run_resumes_from_its_outer_checkpoints_and_exports(local_ray, tmp_path):
+    cfg = small_run(tmp_path, "resume", workers=[1, 1], inner_steps=2, outer_steps=2, checkpoint_every=1)
+    first = run_training(cfg)
+    resumed_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, outer_steps=3, resume=True))
+    resumed = run_training(resumed_cfg)
+    resumes = [e for e in resumed["events"] if e["event"] == "resumed"]
+    # Both regions continue from exactly the θ_global the stopped run ended with, at outer step 2.
+    assert sorted(e["region"] for e in resumes) == ["r0", "r1"]
+    assert {e["digest"] for e in resumes} == {first["global_digest"]["r0"]}
+    assert {e["outer_step"] for e in resumes} == {2}
+    for region in ("r0", "r1"):
+        assert [r["outer_step"] for r in resumed["rounds"][region]] == [2]
+    assert resumed["regions_agree"]
+
+    from transformers import AutoModelForCausalLM
+
+    from ray_diloco.checkpoint import checkpoint_dir, load_outer_checkpoint
+    from ray_diloco.cli import main
+
+    region_dir = checkpoint_dir(tmp_path / "resume", "r0")
+    assert main(["export", "--checkpoint", str(region_dir), "--out", str(tmp_path / "hf")]) == 0
+    step, theta, _ = load_outer_checkpoint(region_dir / "outer-000003")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert step == 3
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), theta[name]), name
