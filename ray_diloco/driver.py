@@ -182,14 +182,17 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
                       "bytes_received": data_parallel_bytes(num_params, group.workers, steps),
                       "sync_seconds": 0.0, "rounds": [], "digest": state_digest(final_state)}]
         curve = ray.get(evaluator.get_curve.remote()) if evaluator else []
+        data_counts = ray.get(counters.get.remote())
     finally:
         for actor in actors:
             if actor is not None:
                 _stop_sync_actor(actor)
+        for helper in (evaluator, counters):  # run-scoped actors: a second run in this process starts anew
+            if helper is not None:
+                ray.kill(helper)
 
     eval_loss, eval_ppl = evaluate_state(cfg, model, final_state, windows)
     save_model(model, final_state, out_dir / "model", tokenizer)
-    data_counts = ray.get(counters.get.remote())
     wall = time.perf_counter() - started
     summary = build_summary(cfg, groups, stats, eval_start, eval_loss, eval_ppl, data_counts, wall)
     worker_results = [r.return_value for r in results]
