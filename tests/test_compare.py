@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 H, T, WORKERS = 2, 2, 2
@@ -26,7 +27,16 @@ def load_compare():
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def one_ray():
+    # One local Ray for all five runs (compare.py alone starts a fresh one per run, ~10-50 s each).
+    # address="local": our own cluster even if `ray start` left one running on this machine.
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def result(one_ray, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     compare = load_compare()
     code = compare.main(["--workers", str(WORKERS), "--inner-steps", str(H), "--outer-steps", str(T),
@@ -66,6 +76,7 @@ def test_every_row_and_column_is_filled_and_finite(result):
     assert rows["ddp"]["tokens"] == WORKERS * per_worker and rows["single"]["tokens"] == per_worker
     for label in ("diloco-none", "diloco-fp16"):
         assert rows[label]["min_regions_in_round"] == WORKERS and rows[label]["regions_agree"]
+    assert all(row["complete"] for row in rows.values()), [row["notes"] for row in rows.values()]
     # Curves: from the warm start (0 tokens) to the final tokens per worker, one point per outer step.
     for label, points in data["curves"].items():
         assert points[0]["tokens_per_worker"] == 0 and points[-1]["tokens_per_worker"] == per_worker, label
@@ -80,8 +91,10 @@ def test_wire_bytes_fp16_is_half_of_fp32_and_diloco_sends_at_most_1_over_h_of_dd
     assert fp16["bytes_sent_per_region"] / none["bytes_sent_per_region"] == pytest.approx(0.5, rel=0.02)
     for row, codec_ratio in ((none, 1.0), (fp16, 0.5)):
         bound = ddp["bytes_sent_per_region"] / H * codec_ratio
-        for region, sent in row["bytes_sent_by_group"].items():
-            assert sent <= bound * 1.02, (row["run"], region, sent, bound)
-            assert sent >= bound * 0.95, (row["run"], region, sent, bound)  # and it did send the Δ
+        # Mean over regions: the theory, 2(M−1)/M·P·b per outer step, to within protobuf framing.
+        assert bound * 0.98 <= row["bytes_sent_per_region"] <= bound * 1.02, (row["run"], row, bound)
         assert row["bytes_ratio_to_ddp"] == pytest.approx(codec_ratio / H, rel=0.02)
+        # Each region: Hivemind may give one peer a slightly larger part to reduce (seen: +2.5 % with 4 peers).
+        for region, sent in row["bytes_sent_by_group"].items():
+            assert bound * 0.9 <= sent <= bound * 1.05, (row["run"], region, sent, bound)
     assert ddp["bytes_ratio_to_ddp"] == 1.0 and rows["single"]["bytes_sent_per_region"] == 0
