@@ -1,6 +1,6 @@
 """DiLoCo against its baselines, in one invocation, from one warm start.
 
-    python benchmarks/compare.py                        # the default: ~15 min on 2 CPU cores
+    python benchmarks/compare.py                        # the default: ~17 min on 2 CPU cores
     python benchmarks/compare.py --outer-steps 4 --inner-steps 50 --output-dir runs/compare-long
 
 First a short pretraining run (mode `single`, `--warmup-steps` steps) saves a model; every arm starts
@@ -52,17 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="DiLoCo inner steps between outer steps (default 50)")
     parser.add_argument("--outer-steps", type=int, default=2, metavar="T",
                         help="outer steps; every arm trains T×H inner steps per worker (default 2)")
-    parser.add_argument("--warmup-steps", type=int, default=100, metavar="W",
+    parser.add_argument("--warmup-steps", type=int, default=50, metavar="W",
                         help="steps of the warm-start pretraining run (mode single) all arms start from; "
-                             "not the learning-rate warmup (default 100)")
+                             "not the learning-rate warmup (default 50)")
     parser.add_argument("--baseline-eval-steps", type=int, default=0, metavar="K",
                         help="evaluate ddp and single every K inner steps for a finer curve (must divide T×H); "
                              "0 = at DiLoCo's outer steps, like DiLoCo (default; extra evaluations share the "
                              "CPUs with training and lower the baselines' tokens/s)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: tiny-cpu's 128)")
-    parser.add_argument("--batch-size", type=int, default=4,
-                        help="windows per step per worker (default 4, half of tiny-cpu's 8: the default run "
-                             "then fits in 20 min on 2 cores)")
+    parser.add_argument("--batch-size", type=int, default=3,
+                        help="windows per step per worker (default 3, not tiny-cpu's 8: the default run then "
+                             "fits in 20 min on 2 cores; it took 21 min with 4)")
     parser.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", metavar="PATH_OR_GLOB", help="training files (default: the bundled C4 sample)")
