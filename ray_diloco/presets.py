@@ -24,9 +24,9 @@ def tiny_cpu() -> ExperimentConfig:
         model=ModelConfig(hidden_size=128, intermediate_size=344, num_layers=2, num_heads=4),
         data=DataConfig(seq_len=128, batch_size=8, eval_windows=64),
         inner=InnerOptConfig(lr=3e-3, warmup_steps=10, weight_decay=0.1, grad_clip=1.0),
-        outer=OuterConfig(inner_steps=20),
+        outer=OuterConfig(inner_steps=15),
         regions=[RegionConfig(name="region-a"), RegionConfig(name="region-b")],
-        run=RunConfig(name="diloco-tiny", outer_steps=5),
+        run=RunConfig(name="diloco-tiny", outer_steps=4),
     )
 
 
