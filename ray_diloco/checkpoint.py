@@ -1,76 +1,137 @@
-"""Outer-state checkpoints of a region: complete or absent.
+"""Outer-state checkpoints of a region: complete or absent, on local disk or object storage.
 
-A checkpoint is a directory `outer-NNNNNN/` holding θ_global, the outer momentum and the outer step. It is
-written under a temporary name, flushed to disk, then renamed in one step: a process killed while writing
-leaves a stray `.tmp-*` directory that is never read, and the previous checkpoint stays the latest.
+A checkpoint is a directory `outer-NNNNNN/` holding `outer_state.pt` (θ_global, outer momentum, outer step,
+the region's data progress and the name of the matching worker checkpoint), the run's `config.yaml`, and
+last a `COMMITTED` marker. Readers only see directories with the marker, so a process killed while writing
+leaves the previous checkpoint the latest — on a local disk (data fsync'd before the marker) and on S3/GCS
+(an object becomes visible only once its upload completes) alike, through the same `pyarrow.fs` code.
+
+The marker is written only after the region's workers have uploaded their Ray Train checkpoint of the same
+outer step, so a committed outer checkpoint also vouches that the worker checkpoint it names is complete.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
-import shutil
-import uuid
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 
 _NAME = re.compile(r"^outer-(\d{6,})$")
 STATE_FILE = "outer_state.pt"
+CONFIG_FILE = "config.yaml"
+MARKER = "COMMITTED"
 
 
-def checkpoint_dir(run_dir: str | Path, region: str) -> Path:
-    return Path(run_dir) / "checkpoints" / region
+def resolve_storage(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path on it) for a local path or an `s3://`, `gs://`, `file://` URI."""
+    if "://" in uri_or_path:
+        return pafs.FileSystem.from_uri(uri_or_path)
+    return pafs.LocalFileSystem(), os.path.abspath(uri_or_path)
 
 
-def save_outer_checkpoint(root: str | Path, outer_step: int, theta: dict[str, torch.Tensor],
-                          momentum: dict[str, torch.Tensor], keep: int = 2) -> Path:
-    """Write `root/outer-<step>/` atomically; keep the newest `keep` checkpoints."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"outer-{outer_step:06d}"
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    path = tmp / STATE_FILE
-    torch.save({"outer_step": outer_step, "theta": theta, "momentum": momentum}, path)
-    with open(path, "rb") as handle:  # the bytes are on disk before the name says "complete"
-        os.fsync(handle.fileno())
-    if final.exists():  # the same step written again (e.g. after a restart): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+def join(base: str, *parts: str) -> str:
+    """Join a local path or URI with '/' (never os.path: URIs keep their scheme)."""
+    return "/".join([base.rstrip("/"), *parts])
 
 
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first (temporary directories are ignored)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+@dataclass
+class OuterCheckpoint:
+    outer_step: int
+    theta: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    # rank -> {"batches", "windows", "fingerprint"}: what each worker of the region has consumed so far.
+    progress: dict[int, dict[str, Any]] = field(default_factory=dict)
+    worker_checkpoint: str | None = None
+    tokens: int = 0  # trained by the region so far
+    config_yaml: str = ""
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    complete = complete_checkpoints(root)
-    return complete[-1] if complete else None
+class CheckpointStore:
+    """The outer checkpoints of one region under `root` (a local path or a URI)."""
+
+    def __init__(self, root: str, keep: int = 2):
+        self.root = root
+        self.fs, self.path = resolve_storage(root)
+        self.keep = keep
+        self._local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def steps(self) -> list[int]:
+        """Outer steps with a committed checkpoint, oldest first."""
+        selector = pafs.FileSelector(self.path, allow_not_found=True)
+        found = []
+        for info in self.fs.get_file_info(selector):
+            match = _NAME.match(info.base_name)
+            if match and info.type == pafs.FileType.Directory and self._exists(join(info.path, MARKER)):
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def location(self, step: int) -> str:
+        return join(self.root, f"outer-{step:06d}")
+
+    def save(self, checkpoint: OuterCheckpoint) -> str:
+        """Write the checkpoint, then its marker; prune all but the newest `keep` committed ones."""
+        directory = join(self.path, f"outer-{checkpoint.outer_step:06d}")
+        self._delete(directory)  # the same step written again (after a restart): start clean
+        self.fs.create_dir(directory, recursive=True)
+        state = {"outer_step": checkpoint.outer_step, "theta": checkpoint.theta, "momentum": checkpoint.momentum,
+                 "progress": checkpoint.progress, "worker_checkpoint": checkpoint.worker_checkpoint,
+                 "tokens": checkpoint.tokens}
+        self._write(join(directory, STATE_FILE), lambda handle: torch.save(state, handle))
+        self._write(join(directory, CONFIG_FILE), lambda handle: handle.write(checkpoint.config_yaml.encode()))
+        marker = json.dumps({"outer_step": checkpoint.outer_step}).encode()
+        self._write(join(directory, MARKER), lambda handle: handle.write(marker))
+        for old in self.steps()[:-self.keep]:
+            self._delete(join(self.path, f"outer-{old:06d}"))
+        return self.location(checkpoint.outer_step)
+
+    def load(self, step: int | None = None) -> OuterCheckpoint:
+        """The checkpoint of `step` (default: the latest committed one)."""
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.steps():
+            raise FileNotFoundError(f"no committed outer checkpoint{'' if step is None else f' of step {step}'} "
+                                    f"under {self.root}; was the run started with run.checkpoint_every > 0?")
+        return load_outer_checkpoint(self.location(step))
+
+    def _write(self, path: str, write: Callable[[Any], Any]) -> None:
+        """`write(handle)` streams the file (no second copy of θ in memory)."""
+        if self._local:  # the bytes reach the disk before the marker that says "complete" is written
+            with open(path, "wb") as handle:
+                write(handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            return
+        with self.fs.open_output_stream(path) as stream:  # visible only once the upload completes
+            write(stream)
+
+    def _exists(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def _delete(self, directory: str) -> None:
+        if self._exists(directory):
+            self.fs.delete_dir(directory)
 
 
-def load_outer_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    path = Path(path)
-    file = path / STATE_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"{path}: not an outer checkpoint (no {STATE_FILE}); give a directory "
-                                "outer-NNNNNN/ under <run>/checkpoints/<region>/")
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    return state["outer_step"], state["theta"], state["momentum"]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def load_outer_checkpoint(location: str) -> OuterCheckpoint:
+    """A committed `outer-NNNNNN` directory (local path or URI)."""
+    fs, path = resolve_storage(location)
+    if fs.get_file_info(join(path, MARKER)).type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{location}: not a committed outer checkpoint (no {MARKER} marker); give a "
+                                "directory outer-NNNNNN/ under <checkpoints>/<region>/")
+    with fs.open_input_file(join(path, STATE_FILE)) as handle:
+        state = torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
+    with fs.open_input_file(join(path, CONFIG_FILE)) as handle:
+        config_yaml = handle.read().decode()
+    return OuterCheckpoint(outer_step=state["outer_step"], theta=state["theta"], momentum=state["momentum"],
+                           progress=state["progress"], worker_checkpoint=state["worker_checkpoint"],
+                           tokens=state["tokens"], config_yaml=config_yaml)

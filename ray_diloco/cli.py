@@ -49,33 +49,40 @@ def build_parser() -> argparse.ArgumentParser:
                             "single: one worker. Same model, data, inner optimizer and steps")
     train.add_argument("--init-from", metavar="DIR", help="warm start from a saved model (a run's model/ dir)")
     train.add_argument("--eval-every", type=int, metavar="K", help="held-out loss every K outer steps")
-    train.add_argument("--checkpoint-every", type=int, metavar="K", help="save outer state every K outer steps")
+    train.add_argument("--checkpoint-every", type=int, metavar="K",
+                       help="checkpoint every K outer steps: workers (model and AdamW shards, schedule and data "
+                            "position, via Ray Train) and the outer state (θ_global, momentum, outer step)")
+    train.add_argument("--checkpoint-path", metavar="DIR_OR_URI",
+                       help="where checkpoints go: a directory or s3://, gs:// URI every node reaches "
+                            "(default: <output-dir>/<run-name>/checkpoints)")
+    train.add_argument("--max-failures", type=int, metavar="N",
+                       help="restarts of a region's worker group after a worker dies (default 1)")
     train.add_argument("--resume", action="store_true", help="continue the run of the same --run-name from its "
-                       "latest outer checkpoints")
+                       "latest committed checkpoints")
     train.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     export = commands.add_parser("export", help="write θ_global of an outer checkpoint as a Hugging Face model dir")
     export.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="<run>/checkpoints/<region>/outer-NNNNNN, or <run>/checkpoints/<region> for the latest")
+                        help="<checkpoints>/<region>/outer-NNNNNN, or <checkpoints>/<region> for the latest "
+                             "(a directory or an s3://, gs:// URI)")
     export.add_argument("--out", required=True, metavar="DIR")
     return parser
 
 
 def export_checkpoint(checkpoint: str, out: str) -> Path:
-    """θ_global of an outer checkpoint + the run's config + tokenizer → `save_pretrained` directory."""
-    from ray_diloco.checkpoint import latest_checkpoint, load_outer_checkpoint
+    """θ_global of an outer checkpoint + its run's config + tokenizer → `save_pretrained` directory."""
+    from ray_diloco.checkpoint import CheckpointStore, load_outer_checkpoint
     from ray_diloco.model import build_model, save_model
     from ray_diloco.tokenizer import load_tokenizer
 
-    path = Path(checkpoint)
-    chosen = latest_checkpoint(path) or path
-    run_dir = chosen.parents[2]  # <run>/checkpoints/<region>/outer-N
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"--checkpoint: {chosen} is not inside a run directory with config.yaml")
-    cfg = ExperimentConfig.load(run_dir / "config.yaml")
-    step, theta, _ = load_outer_checkpoint(chosen)
+    latest = CheckpointStore(checkpoint).latest_step()  # a region's directory: its latest checkpoint
+    try:
+        saved = CheckpointStore(checkpoint).load(latest) if latest is not None else load_outer_checkpoint(checkpoint)
+    except FileNotFoundError as error:
+        raise ConfigError(f"--checkpoint: {error}") from error
+    cfg = ExperimentConfig.from_dict(yaml.safe_load(saved.config_yaml))
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed)
-    save_model(model, theta, Path(out), load_tokenizer(cfg.data.tokenizer))
-    print(f"exported outer step {step} of {run_dir.name} to {out}")
+    save_model(model, saved.theta, Path(out), load_tokenizer(cfg.data.tokenizer))
+    print(f"exported outer step {saved.outer_step} of run {cfg.run.name} to {out}")
     return Path(out)
 
 
@@ -128,7 +135,8 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
     run = cfg.run
     for flag, field in (("outer_steps", "outer_steps"), ("seed", "seed"), ("output_dir", "output_dir"),
                         ("run_name", "name"), ("mode", "mode"), ("init_from", "init_from"),
-                        ("eval_every", "eval_every"), ("checkpoint_every", "checkpoint_every")):
+                        ("eval_every", "eval_every"), ("checkpoint_every", "checkpoint_every"),
+                        ("checkpoint_path", "checkpoint_path"), ("max_failures", "max_failures")):
         if getattr(args, flag) is not None:
             run = replace(run, **{field: getattr(args, flag)})
     if args.resume:

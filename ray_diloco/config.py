@@ -7,6 +7,7 @@ multi-region run costs the whole run. Presets live in `presets.py`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -203,13 +204,23 @@ class RunConfig:
     init_from: str | None = None
     """Warm start: a saved model directory (a run's model/ or `ray-diloco export`) instead of the seeded init."""
     checkpoint_every: int = 0
-    """Save each region's outer state (θ_global, momentum, outer step) every this many outer steps; 0: never."""
+    """DiLoCo mode: every this many outer steps each region checkpoints its workers (model and inner AdamW
+    shards, schedule and data position, through Ray Train) and its outer state (θ_global, momentum, outer
+    step); 0: never."""
+    checkpoint_path: str | None = None
+    """Where checkpoints go: a local directory or an `s3://`, `gs://` URI reachable from every node
+    (default: output_dir/name/checkpoints). Also the Ray Train storage path."""
     resume: bool = False
     """Continue the run of the same name from its latest outer checkpoints."""
     max_failures: int = 1
     """Restarts of a region's group after a worker dies (Ray Train FailureConfig); it resumes from θ_global."""
     eval_every: int = 0
     """Evaluate the global model on the held-out set every this many outer steps (0: only at start and end)."""
+
+    def checkpoint_root(self) -> str:
+        if self.checkpoint_path:
+            return self.checkpoint_path if "://" in self.checkpoint_path else os.path.abspath(self.checkpoint_path)
+        return os.path.join(os.path.abspath(self.output_dir), self.name, "checkpoints")
 
     def __post_init__(self) -> None:
         _require(
@@ -222,6 +233,8 @@ class RunConfig:
         _require(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0 disables checkpoints)")
         _require(self.max_failures >= 0, "run.max_failures", f"must be >= 0, got {self.max_failures}")
         _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.mode == "diloco" or not (self.checkpoint_every or self.resume), "run.checkpoint_every",
+                 f"checkpoints and --resume are for DiLoCo runs; mode {self.mode!r} does not checkpoint")
 
 
 @dataclass(kw_only=True)

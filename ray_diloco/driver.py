@@ -18,9 +18,11 @@ from typing import Any
 
 import ray
 import torch
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.data import ExecutionOptions
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from ray_diloco.checkpoint import CheckpointStore, join
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets
@@ -51,7 +53,11 @@ def ensure_ray(address: str | None, cfg: ExperimentConfig) -> None:
     # A local cluster: logical CPUs for every worker and SyncActor even on a 2-core machine
     # (they take turns on the cores; torch threads per worker are pinned to 1).
     needed = sum(r.workers * r.cpus_per_worker for r in cfg.regions) + len(cfg.regions) + 2
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False)
+    # With the dashboard: users watch the run there, and Ray Train's placement-group cleaner needs its
+    # State API (without it, it logs "Failed to query Ray Train Controller actor state" over and over).
+    context = ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=True)
+    if context.dashboard_url:
+        print(f"[driver] Ray dashboard: http://{context.dashboard_url}", flush=True)
 
 
 def region_placement(region: RegionConfig) -> dict[str, str] | None:
@@ -60,10 +66,22 @@ def region_placement(region: RegionConfig) -> dict[str, str] | None:
     return {REGION_LABEL: region.name} if region.name in labelled else None
 
 
+def resume_step(cfg: ExperimentConfig) -> int:
+    """The outer step every region of this driver resumes from: the newest one all of them committed (a stop
+    can land between two regions' commits; resuming the laggard's step keeps them in lockstep)."""
+    latest = {r.name: CheckpointStore(join(cfg.run.checkpoint_root(), r.name)).latest_step() for r in cfg.regions}
+    missing = [name for name, step in latest.items() if step is None]
+    if missing:
+        raise FileNotFoundError(f"--resume: no committed checkpoint for region(s) {missing} under "
+                                f"{cfg.run.checkpoint_root()}; was the run started with --checkpoint-every?")
+    return min(latest.values())
+
+
 def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False, evaluator: Any = None) -> list[Any]:
     """The first region's actor bootstraps the DHT; the others join it with its multiaddrs."""
     actors, peers = [], list(cfg.outer.initial_peers)
     config = cfg.to_dict()
+    step = resume_step(cfg) if cfg.run.resume else None
     for region in cfg.regions:
         options: dict[str, Any] = {"name": f"diloco-sync-{cfg.run.name}-{region.name}"}
         selector = region_placement(region)
@@ -71,7 +89,7 @@ def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False, evalua
             options["label_selector"] = selector
         # One evaluator for the run: θ_global is the same in every region.
         actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds,
-                                                    evaluator if not actors else None)
+                                                    evaluator if not actors else None, step)
         if not peers:
             peers = ray.get(actor.multiaddrs.remote())
         actors.append(actor)
@@ -89,21 +107,33 @@ def training_groups(cfg: ExperimentConfig) -> list[RegionConfig]:
     return [dataclasses.replace(template, name="single", workers=1)]
 
 
-def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluator: Any, dataset: Any,
-                 storage: Path) -> TorchTrainer:
+def deterministic_ingest() -> DataConfig:
+    """Each worker's stream in the same order in every run, so a data position is a batch count: Ray Data
+    keeps the blocks' order, and splits them across workers without locality hints (those depend on where
+    blocks happen to be computed; inside one region the nodes share a fast network)."""
+    return DataConfig(execution_options=ExecutionOptions(preserve_order=True), enable_shard_locality=False)
+
+
+def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluator: Any,
+                 dataset: Any) -> TorchTrainer:
     selector = region_placement(group)
     resources = {"CPU": group.cpus_per_worker}
     if group.gpus_per_worker:
         resources["GPU"] = group.gpus_per_worker
+    experiment = f"{cfg.run.name}-{group.name}"  # the Ray Train run: its name on the dashboard
     return TorchTrainer(
         region_train_loop,
         train_loop_config={"experiment": cfg.to_dict(), "region": group.name, "sync_actor": actor,
-                           "evaluator": evaluator, "threads_per_worker": max(1, int(group.cpus_per_worker))},
+                           "evaluator": evaluator, "threads_per_worker": max(1, int(group.cpus_per_worker)),
+                           "worker_checkpoints": join(cfg.run.checkpoint_root(), experiment)},
         scaling_config=ScalingConfig(num_workers=group.workers, use_gpu=group.gpus_per_worker > 0,
                                      resources_per_worker=resources, label_selector=selector),
-        run_config=RunConfig(name=f"{cfg.run.name}-{group.name}", storage_path=str(storage),
-                             failure_config=FailureConfig(max_failures=cfg.run.max_failures)),
+        run_config=RunConfig(name=experiment, storage_path=cfg.run.checkpoint_root(),
+                             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+                             # The SyncActor keeps its two newest outer checkpoints; these match them.
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
         datasets={"train": dataset},
+        dataset_config=deterministic_ingest(),
     )
 
 
@@ -131,7 +161,10 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
     ensure_ray(address, cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     cfg = resolve_vocab(cfg, tokenizer)
-    out_dir = Path(cfg.run.output_dir).resolve() / cfg.run.name
+    # Absolute paths before the config reaches actors: their working directories differ from ours.
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(
+        cfg.run, output_dir=str(Path(cfg.run.output_dir).resolve()), checkpoint_path=cfg.run.checkpoint_root()))
+    out_dir = Path(cfg.run.output_dir) / cfg.run.name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     groups = training_groups(cfg)
@@ -151,7 +184,7 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
     actors = start_sync_actors(cfg, record_rounds=before_shutdown is not None, evaluator=evaluator) \
         if cfg.run.mode == "diloco" else [None] * len(groups)
     try:
-        trainers = [make_trainer(cfg, group, actor, evaluator, dataset, out_dir / "ray_train")
+        trainers = [make_trainer(cfg, group, actor, evaluator, dataset)
                     for group, actor, dataset in zip(groups, actors, datasets)]
         with ThreadPoolExecutor(max_workers=len(trainers)) as pool:
             # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
@@ -202,6 +235,8 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
         sum(1 - w["sync_wait_seconds"] / w["train_seconds"] for w in worker_results) / len(worker_results), 4)
     summary["eval_curve"] = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *curve]
     summary["parameters"] = num_params
+    # What each group trained on: equal for two runs that saw the same windows (see batches.py).
+    summary["data_fingerprint"] = {groups[i].name: results[k].return_value["data"] for k, i in enumerate(finished)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[driver] held-out loss {eval_start:.4f} -> {eval_loss:.4f} (perplexity {eval_ppl:.1f}); "
           f"global model identical across regions: {summary['regions_agree']}; "

@@ -13,12 +13,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
 import torch
 
-from ray_diloco.checkpoint import checkpoint_dir, latest_checkpoint, load_outer_checkpoint, save_outer_checkpoint
+from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.codecs import get_codec
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
@@ -35,6 +34,7 @@ class _PendingRound:
     world_size: int
     shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     tokens_by_rank: dict[int, int] = field(default_factory=dict)  # by rank: a restarted rank resubmits
+    progress_by_rank: dict[int, dict | None] = field(default_factory=dict)  # each rank's data position
     done: asyncio.Event = field(default_factory=asyncio.Event)
     new_global: dict[str, torch.Tensor] | None = None
     error: BaseException | None = None
@@ -44,7 +44,7 @@ class SyncActorImpl:
     """Plain class (tested directly); `SyncActor` below is its Ray actor form."""
 
     def __init__(self, config: dict, region: str, initial_peers: list[str] | None = None,
-                 record_rounds: bool = False, evaluator=None):
+                 record_rounds: bool = False, evaluator=None, resume_step: int | None = None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = ExperimentConfig.from_dict(config)
         self.region = region
@@ -87,9 +87,12 @@ class SyncActorImpl:
         self.workers: dict[int, dict] = {}  # rank -> {pid, host}: who trains this region now
         self.events: list[dict] = []  # restarts, departures, joins — for status lines and summary.json
         self._digest = state_digest(self.outer.global_state())
-        self.checkpoints = checkpoint_dir(Path(cfg.run.output_dir).resolve() / cfg.run.name, region)
+        # rank -> data position after the last completed round: where a restarted worker goes on reading.
+        self.progress: dict[int, dict | None] = {}
+        self.store = CheckpointStore(join(cfg.run.checkpoint_root(), region))
+        self.committed: tuple[int, str] | None = None  # (outer step, worker checkpoint) of the last commit
         if cfg.run.resume:
-            self._resume_from_checkpoint()
+            self._resume_from_checkpoint(resume_step)
         if self.sharer is not None:
             self._join_if_behind()
             self._publish(group_size=0)
@@ -159,17 +162,41 @@ class SyncActorImpl:
         self.outer.step_count = step
         self._digest = state_digest(self.outer.global_state())
 
-    def _resume_from_checkpoint(self) -> None:
-        latest = latest_checkpoint(self.checkpoints)
-        if latest is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.checkpoints}; "
-                                    "was the run started with run.checkpoint_every > 0?")
-        self._set_state(*load_outer_checkpoint(latest))
-        self.record_event("resumed", checkpoint=str(latest), digest=self._digest)
+    def _resume_from_checkpoint(self, step: int | None) -> None:
+        """`step`: the outer step the driver resumes all its regions from (default: this region's latest)."""
+        checkpoint = self.store.load(step)
+        self._set_state(checkpoint.outer_step, checkpoint.theta, checkpoint.momentum)
+        self.progress, self.tokens = checkpoint.progress, checkpoint.tokens
+        self.committed = (checkpoint.outer_step, checkpoint.worker_checkpoint)
+        self.record_event("resumed", checkpoint=self.store.location(checkpoint.outer_step), digest=self._digest)
 
-    def _save_checkpoint(self) -> None:
+    # -- checkpoints: the workers' first, then ours ----------------------------------------------------
+    def resume_point(self, rank: int, world_size: int) -> dict:
+        """Where a (re)starting worker of this region continues: the outer step, its data position, and the
+        worker checkpoint (inner AdamW state) of that outer step when one is committed."""
+        progress = self.progress.get(rank)
+        if progress is not None and progress["world_size"] != world_size:
+            raise ValueError(f"region {self.region} trained with {progress['world_size']} workers and now has "
+                             f"{world_size}: resume with the same number of workers per region")
+        step = self.outer.step_count
+        worker_checkpoint = self.committed[1] if self.committed and self.committed[0] == step else None
+        return {"outer_step": step, "progress": progress, "worker_checkpoint": worker_checkpoint}
+
+    async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str:
+        """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,
+        momentum, outer step and data progress, marked complete last. Returns the checkpoint's location."""
+        if outer_step != self.outer.step_count:
+            raise RuntimeError(f"[{self.region}] commit of outer step {outer_step}, but the outer state is at "
+                               f"step {self.outer.step_count}")
         step, theta, momentum = self._snapshot()
-        save_outer_checkpoint(self.checkpoints, step, theta, momentum)
+        checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=dict(self.progress),
+                                     worker_checkpoint=worker_checkpoint, tokens=self.tokens,
+                                     config_yaml=self.config.to_yaml())
+        # Off the event loop: other regions' calls (state sharing) go on while the files are written.
+        location = await asyncio.get_running_loop().run_in_executor(None, self.store.save, checkpoint)
+        self.committed = (step, worker_checkpoint)
+        logger.info("[%s] checkpoint of outer step %d committed: %s", self.region, step, location)
+        return location
 
     def _join_if_behind(self) -> None:
         """A region starting mid-run takes the run's state before its workers take their first step."""
@@ -210,15 +237,17 @@ class SyncActorImpl:
 
     # -- the outer step ------------------------------------------------------------------------------
     async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, torch.Tensor],
-                       tokens: int) -> tuple[int, dict[str, torch.Tensor]]:
+                       tokens: int, progress: dict | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """Called by every rank after H inner steps (`outer_step` counts the region's own rounds); returns
         the outer step now reached (ahead of the workers' count after a re-sync) and the rank's rows."""
         pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
         pending.shards[rank] = shards
         pending.tokens_by_rank[rank] = tokens
+        pending.progress_by_rank[rank] = progress
         if len(pending.shards) == world_size:
             try:
                 pending.new_global = await self._run_round(outer_step, pending)
+                self.progress = dict(pending.progress_by_rank)
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
             finally:
@@ -270,9 +299,6 @@ class SyncActorImpl:
         if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
             group = record["group_size"] if record["consistent"] else 1
             await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish(group))
-        every = self.config.run.checkpoint_every
-        if every and self.outer.step_count % every == 0:
-            await asyncio.get_running_loop().run_in_executor(None, self._save_checkpoint)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens

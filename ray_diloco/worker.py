@@ -23,9 +23,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from ray_diloco.batches import WorkerBatches, combine_progress
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.inner import build_inner_optimizer
 from ray_diloco.model import build_model
+from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
 
 def status(line: str) -> None:
@@ -73,27 +75,6 @@ def autocast_for(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype), scaler
 
 
-class _Batches:
-    """Endless iterator over this worker's Ray Data shard: a new epoch starts when one is used up."""
-
-    def __init__(self, shard, batch_size: int, device: torch.device):
-        self.shard, self.batch_size, self.device = shard, batch_size, device
-        self.epoch = 0
-        self._iter = self._new_epoch()
-
-    def _new_epoch(self):
-        return iter(self.shard.iter_torch_batches(batch_size=self.batch_size, dtypes=torch.long,
-                                                  device=self.device, drop_last=True))
-
-    def next(self) -> torch.Tensor:
-        try:
-            return next(self._iter)["input_ids"]
-        except StopIteration:
-            self.epoch += 1
-            self._iter = self._new_epoch()
-            return next(self._iter)["input_ids"]
-
-
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks must call it), fp32 on CPU."""
     return {name: (p.data.full_tensor() if isinstance(p.data, DTensor) else p.data).detach().float().cpu()
@@ -109,7 +90,7 @@ class InnerStep:
         self.align(start_step)
         self.autocast, self.scaler = autocast_for(cfg.inner.precision, device)
 
-    def __call__(self, batches: _Batches) -> tuple[torch.Tensor, int]:
+    def __call__(self, batches: WorkerBatches) -> tuple[torch.Tensor, int]:
         """Returns the mean loss over the micro-batches (a tensor: no host sync) and the tokens trained."""
         accum, scaler = self.cfg.inner.grad_accum, self.scaler
         loss_sum, tokens = torch.zeros((), device=self.device), 0
@@ -145,6 +126,49 @@ class InnerStep:
         return self.scheduler.get_last_lr()[0]
 
 
+def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, world_size: int,
+                         inner_steps: int) -> tuple[int, dict | None]:
+    """A (re)starting worker continues from its region's state: θ_global and the outer step from the
+    SyncActor (not the init: a restarted, resumed or joining region starts from the run's current state), the
+    inner AdamW state and schedule position from the worker checkpoint of that same outer step when one is
+    committed, and the data position the SyncActor recorded for this rank. Returns (outer step, data position)."""
+    point = ray.get(sync_actor.resume_point.remote(rank, world_size))
+    rows = ray.get(sync_actor.global_rows.remote(rank, world_size))
+    inner_position = point["outer_step"] * inner_steps
+    if point["worker_checkpoint"] is not None:
+        meta = load_worker_checkpoint(point["worker_checkpoint"], model, inner_step.optimizer, rank, world_size)
+        mismatched = [name for name, p in model.named_parameters() if not _equals_rows(local_shard(p), rows[name])]
+        if mismatched or meta["outer_step"] != point["outer_step"]:
+            raise RuntimeError(f"worker checkpoint {point['worker_checkpoint']} (outer step {meta['outer_step']}) "
+                               f"does not hold θ_global of outer step {point['outer_step']} ({len(mismatched)} "
+                               "tensors differ): the checkpoint store is inconsistent")
+        inner_position = meta["inner_step"]
+    else:
+        load_rows(model, rows)
+    if rank == 0 and point["outer_step"] > 0:
+        restored = point["worker_checkpoint"] is not None
+        sync_actor.record_event.remote("inner_state_restored" if restored else "inner_state_reset",
+                                       checkpoint=point["worker_checkpoint"])
+    inner_step.align(inner_position)
+    return point["outer_step"], point["progress"]
+
+
+def _equals_rows(shard: torch.Tensor, rows: torch.Tensor) -> bool:
+    return torch.equal(shard, rows.to(shard).reshape(shard.shape))
+
+
+def checkpoint_region(sync_actor, model, inner_step: InnerStep, batches: WorkerBatches, experiment_uri: str,
+                      outer_step: int, rank: int, world_size: int) -> None:
+    """Worker checkpoint first (every rank uploads), then the SyncActor commits its outer checkpoint that
+    points at it: a committed outer checkpoint always has a complete worker checkpoint beside it."""
+    location = save_worker_checkpoint(model, inner_step.optimizer, experiment_uri, outer_step,
+                                      inner_step.scheduler.last_epoch, batches.progress(), rank)
+    if world_size > 1:
+        dist.barrier()  # every rank's upload is done
+    if rank == 0:
+        ray.get(sync_actor.commit_checkpoint.remote(outer_step, location))
+
+
 def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     """`train_loop_per_worker` of a group's TorchTrainer.
 
@@ -162,15 +186,14 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
     shard_model(model.to(device), device, world_size)
-    start_outer = 0
+    H = cfg.outer.inner_steps
+    inner_step = InnerStep(model, cfg, device, 0)
+    start_outer, progress = 0, None
     if sync_actor is not None:
         ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname()))
-        # θ_global, not the init: a restarted or joining region starts from the run's current state.
-        start_outer = ray.get(sync_actor.outer_step.remote())
-        load_rows(model, ray.get(sync_actor.global_rows.remote(rank, world_size)))
-    H = cfg.outer.inner_steps
-    inner_step = InnerStep(model, cfg, device, start_outer * H)
-    batches = _Batches(ray.train.get_dataset_shard("train"), cfg.data.batch_size, device)
+        start_outer, progress = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
+    batches = WorkerBatches(ray.train.get_dataset_shard("train"), cfg.data.batch_size, device, world_size,
+                            progress)
 
     tokens_total, last_sync_seconds, sync_seconds_total = 0, 0.0, 0.0
     loop_started = time.perf_counter()
@@ -194,7 +217,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         if sync_actor is not None:
             sync_started = time.perf_counter()
             reached, rows = ray.get(sync_actor.exchange.remote(outer_step, rank, world_size, shards_of(model),
-                                                               tokens_this_round))
+                                                               tokens_this_round, batches.progress()))
             load_rows(model, rows)
             last_sync_seconds = time.perf_counter() - sync_started
             sync_seconds_total += last_sync_seconds
@@ -206,13 +229,24 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 status(f"[{region}] outer step {reached}/{cfg.run.outer_steps} synced in "
                        f"{last_sync_seconds:.2f}s with {peers} region(s): {', '.join(round_info['peers'])}")
             outer_step = reached
+            every = cfg.run.checkpoint_every
+            if every and outer_step % every == 0:
+                checkpoint_region(sync_actor, model, inner_step, batches, loop_config["worker_checkpoints"],
+                                  outer_step, rank, world_size)
         else:
             outer_step += 1
             if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:
                 state = full_state(model)  # every rank takes part in the gather
                 if rank == 0:
                     evaluator.evaluate.remote(outer_step, state)
+    # Every rank's data progress, for the group's fingerprint of the windows it trained on.
+    progress_by_rank = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(progress_by_rank, batches.progress())
+    else:
+        progress_by_rank = [batches.progress()]
     result = {"rank": rank, "tokens_per_worker": tokens_total, "epochs": batches.epoch, "world_size": world_size,
+              "data": combine_progress(progress_by_rank),
               # Time in the loop, and the part of it this rank waited on outer steps (compute utilization).
               "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total}
     if sync_actor is None:

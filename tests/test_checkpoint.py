@@ -1,4 +1,8 @@
-"""Outer checkpoints are complete or absent: a process killed while writing leaves the previous one loadable."""
+"""Outer checkpoints are complete or absent: a process killed while writing leaves the previous one loadable.
+
+The store goes through `pyarrow.fs`, the same code for local paths and s3:// / gs:// URIs; here it runs on
+the local disk, by path and by `file://` URI (no cloud bucket is reachable from the test machines).
+"""
 
 import os
 import signal
@@ -9,41 +13,65 @@ import time
 import pytest
 import torch
 
-from ray_diloco.checkpoint import complete_checkpoints, latest_checkpoint, load_outer_checkpoint, save_outer_checkpoint
+from ray_diloco.checkpoint import MARKER, CheckpointStore, OuterCheckpoint, load_outer_checkpoint
 
 WRITER = """
 import sys, torch
-from ray_diloco.checkpoint import save_outer_checkpoint
+from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint
 big = {"w": torch.ones(120_000_000)}  # ~480 MB: long enough a write to be killed in the middle
-save_outer_checkpoint(sys.argv[1], 2, big, big)
+CheckpointStore(sys.argv[1]).save(OuterCheckpoint(outer_step=2, theta=big, momentum=big))
 """
 
 
-def test_save_load_round_trip_and_pruning(tmp_path):
+def checkpoint(step, theta, momentum=None, **fields):
+    return OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum or {}, **fields)
+
+
+@pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
+def test_save_load_round_trip_and_pruning(tmp_path, as_uri):
+    root = f"file://{tmp_path}/region" if as_uri else str(tmp_path / "region")
+    store = CheckpointStore(root, keep=2)
     theta, momentum = {"w": torch.randn(3, 2)}, {"w": torch.randn(3, 2)}
+    progress = {0: {"batches": 6, "windows": 48, "fingerprint": "00ff", "world_size": 1}}
     for step in (1, 2, 3):
-        save_outer_checkpoint(tmp_path, step, theta, momentum, keep=2)
-    assert [p.name for p in complete_checkpoints(tmp_path)] == ["outer-000002", "outer-000003"]
-    step, theta2, momentum2 = load_outer_checkpoint(latest_checkpoint(tmp_path))
-    assert step == 3 and torch.equal(theta2["w"], theta["w"]) and torch.equal(momentum2["w"], momentum["w"])
-    with pytest.raises(FileNotFoundError, match="not an outer checkpoint"):
-        load_outer_checkpoint(tmp_path / "nothing")
+        store.save(checkpoint(step, theta, momentum, progress=progress, worker_checkpoint=f"w/{step}",
+                              tokens=100 * step, config_yaml="run: {}\n"))
+    assert store.steps() == [2, 3]
+    assert sorted(os.listdir(tmp_path / "region")) == ["outer-000002", "outer-000003"]
+    loaded = store.load()
+    assert loaded.outer_step == 3 and loaded.worker_checkpoint == "w/3" and loaded.tokens == 300
+    assert torch.equal(loaded.theta["w"], theta["w"]) and torch.equal(loaded.momentum["w"], momentum["w"])
+    assert loaded.progress == progress and loaded.config_yaml == "run: {}\n"
+    assert load_outer_checkpoint(store.location(2)).outer_step == 2
+    with pytest.raises(FileNotFoundError, match="no committed outer checkpoint of step 1"):
+        store.load(1)
+    with pytest.raises(FileNotFoundError, match="not a committed outer checkpoint"):
+        load_outer_checkpoint(str(tmp_path / "nothing"))
+
+
+def test_a_directory_without_its_marker_is_not_a_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.save(checkpoint(1, {"w": torch.zeros(2)}))
+    store.save(checkpoint(2, {"w": torch.ones(2)}))
+    os.remove(tmp_path / "outer-000002" / MARKER)  # as if the writer died just before the marker
+    assert store.latest_step() == 1
+    assert torch.equal(store.load().theta["w"], torch.zeros(2))
 
 
 def test_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     theta = {"w": torch.arange(6.0)}
-    save_outer_checkpoint(tmp_path, 1, theta, {})
+    CheckpointStore(str(tmp_path)).save(checkpoint(1, theta))
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
+    state_file = tmp_path / "outer-000002" / "outer_state.pt"
     deadline = time.monotonic() + 120
-    while not any(p.name.startswith(".tmp-outer-000002") for p in tmp_path.iterdir()):
+    while not (state_file.exists() and state_file.stat().st_size > 0):
         assert writer.poll() is None, "the writer finished before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    time.sleep(0.2)  # inside torch.save of ~480 MB
-    os.kill(writer.pid, signal.SIGKILL)
+    os.kill(writer.pid, signal.SIGKILL)  # inside the write of ~480 MB
     writer.wait()
-    assert not (tmp_path / "outer-000002").exists(), "the kill came after the write completed; test is void"
-    latest = latest_checkpoint(tmp_path)
-    assert latest.name == "outer-000001"
-    step, loaded, _ = load_outer_checkpoint(latest)
-    assert step == 1 and torch.equal(loaded["w"], theta["w"])
+    assert not (tmp_path / "outer-000002" / MARKER).exists(), "the kill came after the commit; test is void"
+    store = CheckpointStore(str(tmp_path))
+    assert store.steps() == [1]
+    loaded = store.load()
+    assert loaded.outer_step == 1 and torch.equal(loaded.theta["w"], theta["w"])

@@ -6,16 +6,20 @@
   waits longer than the matchmaking window.
 - A region joining after outer step 2 loads θ_global from its peers over Hivemind (bit-identical) and
   takes part in the following rounds.
+- A whole run killed after a checkpoint resumes to the model of a run that was never stopped.
 """
 
 import dataclasses
 import os
 import signal
 
+import pytest
 import ray
 import torch
 
 from conftest import RunInThread, small_run, wait_for
+from ray_diloco.checkpoint import CheckpointStore, join
+from ray_diloco.cli import main
 from ray_diloco.config import RegionConfig
 from ray_diloco.driver import run_training
 
@@ -38,6 +42,9 @@ def test_worker_killed_inside_a_region_restarts_and_the_run_finishes(local_ray, 
     assert restarts and {e["region"] for e in restarts} == {"r1"}, summary["events"]
     for region in ("r0", "r1"):
         assert [r["outer_step"] for r in summary["rounds"][region]] == [0, 1, 2]
+    # The restarted workers went on from the data position of the last outer step: every window once.
+    windows_per_worker = 3 * 3 * cfg.inner.grad_accum * cfg.data.batch_size
+    assert summary["data_fingerprint"]["r1"]["windows"] == 2 * windows_per_worker, summary["data_fingerprint"]
     assert summary["regions_agree"], summary["global_digest"]
     assert summary["eval_loss"] < summary["eval_loss_at_start"]
 
@@ -92,29 +99,56 @@ def test_a_region_joining_after_outer_step_2_starts_from_the_peers_state(local_r
     assert joiner["global_digest"]["r2"] == summary["global_digest"]["r0"] == summary["global_digest"]["r1"]
 
 
-def test_a_stopped_run_resumes_from_its_outer_checkpoints_and_exports(local_ray, tmp_path):
-    cfg = small_run(tmp_path, "resume", workers=[1, 1], inner_steps=2, outer_steps=2, checkpoint_every=1)
-    first = run_training(cfg)
-    resumed_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, outer_steps=3, resume=True))
-    resumed = run_training(resumed_cfg)
-    resumes = [e for e in resumed["events"] if e["event"] == "resumed"]
-    # Both regions continue from exactly the θ_global the stopped run ended with, at outer step 2.
-    assert sorted(e["region"] for e in resumes) == ["r0", "r1"]
-    assert {e["digest"] for e in resumes} == {first["global_digest"]["r0"]}
-    assert {e["outer_step"] for e in resumes} == {2}
-    for region in ("r0", "r1"):
-        assert [r["outer_step"] for r in resumed["rounds"][region]] == [2]
-    assert resumed["regions_agree"]
+def test_a_killed_run_resumes_to_the_model_of_an_uninterrupted_run(local_ray, tmp_path):
+    """Checkpoints every outer step; the whole run is killed (SyncActors and every worker, by PID) after a
+    checkpoint; `--resume` continues from it. Same seeds → the same θ_global (to fp16 wire rounding) and the
+    same windows trained on, none twice, none skipped, as the run that was never stopped."""
+    def config(name):
+        return small_run(tmp_path / name, name, workers=[2, 1], inner_steps=3, outer_steps=4, checkpoint_every=1,
+                         max_failures=0)
 
+    reference = run_training(config("straight"))
+
+    cfg = config("stopped")
+    run = RunInThread(lambda: run_training(cfg))
+    stores = {r: CheckpointStore(join(cfg.run.checkpoint_root(), r)) for r in ("r0", "r1")}
+    wait_for(lambda: all((s.latest_step() or 0) >= 1 for s in stores.values()), 400, "checkpoints of step 1")
+    actors = [sync_actor(cfg, r) for r in ("r0", "r1")]
+    pids = [pid for a in actors for pid in ray.get(a.worker_pids.remote()).values()]
+    for actor in actors:
+        ray.kill(actor)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="training failed"):
+        run.join(timeout=300)
+    stopped_at = min(s.latest_step() for s in stores.values())
+    assert 1 <= stopped_at < 4, "the kill came after the run finished; test is void"
+
+    resumed = run_training(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True)))
+    events = resumed["events"]
+    assert sorted(e["region"] for e in events if e["event"] == "resumed") == ["r0", "r1"]
+    assert {e["outer_step"] for e in events if e["event"] == "resumed"} == {stopped_at}
+    restored = [e for e in events if e["event"] == "inner_state_restored"]
+    assert sorted(e["region"] for e in restored) == ["r0", "r1"], events  # AdamW state from the worker checkpoints
+    for region in ("r0", "r1"):
+        assert [r["outer_step"] for r in resumed["rounds"][region]] == list(range(stopped_at, 4))
+    assert resumed["regions_agree"]
+    # The same windows as the uninterrupted run: a window seen twice or skipped changes the fingerprint.
+    assert resumed["data_fingerprint"] == reference["data_fingerprint"], (resumed["data_fingerprint"],
+                                                                          reference["data_fingerprint"])
+    straight_model = load_model(tmp_path / "straight" / "straight" / "model")
+    resumed_model = load_model(tmp_path / "stopped" / "stopped" / "model")
+    for name, param in straight_model.items():
+        torch.testing.assert_close(resumed_model[name], param, rtol=1e-3, atol=1e-4, msg=name)
+
+    # The latest outer checkpoint exports as a Hugging Face model: θ_global of the last outer step.
+    assert main(["export", "--checkpoint", str(stores["r0"].root), "--out", str(tmp_path / "hf")]) == 0
+    exported = load_model(tmp_path / "hf")
+    for name, param in resumed_model.items():
+        assert torch.equal(exported[name], param), name
+
+
+def load_model(directory):
     from transformers import AutoModelForCausalLM
 
-    from ray_diloco.checkpoint import checkpoint_dir, load_outer_checkpoint
-    from ray_diloco.cli import main
-
-    region_dir = checkpoint_dir(tmp_path / "resume", "r0")
-    assert main(["export", "--checkpoint", str(region_dir), "--out", str(tmp_path / "hf")]) == 0
-    step, theta, _ = load_outer_checkpoint(region_dir / "outer-000003")
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    assert step == 3
-    for name, param in model.named_parameters():
-        assert torch.equal(param.detach(), theta[name]), name
+    return dict(AutoModelForCausalLM.from_pretrained(str(directory)).named_parameters())

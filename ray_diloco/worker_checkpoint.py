@@ -1,0 +1,70 @@
+"""Worker checkpoints of a region through Ray Train.
+
+At a checkpoint's outer step every rank writes, into a local directory that `ray.train.report` uploads to the
+run's storage (`RunConfig(storage_path=…)`: a local path, `s3://…` or `gs://…`):
+
+- its FSDP2 shards of the model and of the inner AdamW state, with `torch.distributed.checkpoint` (one file
+  per rank, plus rank 0's metadata; Ray Train merges the ranks' uploads into one directory);
+- `rank-<r>.json`: the outer step, the inner step (the learning-rate schedule's position) and the rank's
+  data progress (`WorkerBatches.progress`).
+
+The directory is named after the outer step, so the region's SyncActor — which commits its own outer
+checkpoint only after every rank has uploaded — can point a resumed or restarted worker at exactly the
+worker checkpoint that matches θ_global.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ray_diloco.checkpoint import join
+
+
+def checkpoint_name(outer_step: int) -> str:
+    return f"checkpoint-outer-{outer_step:06d}"
+
+
+def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experiment_uri: str,
+                           outer_step: int, inner_step: int, progress: dict[str, Any], rank: int) -> str:
+    """Every rank of the group calls this (collective); returns where the checkpoint is stored."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    local = tempfile.mkdtemp(prefix="diloco-ckpt-")
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=local)
+        meta = {"outer_step": outer_step, "inner_step": inner_step, "progress": progress}
+        Path(local, f"rank-{rank}.json").write_text(json.dumps(meta))
+        name = checkpoint_name(outer_step)
+        # Uploads this rank's files and waits for the other ranks (a barrier): when it returns, Ray Train
+        # has the whole checkpoint.
+        ray.train.report({"outer_step": outer_step, "inner_step": inner_step},
+                         checkpoint=ray.train.Checkpoint.from_directory(local), checkpoint_dir_name=name)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    return join(experiment_uri, name)
+
+
+def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           rank: int, world_size: int) -> dict[str, Any]:
+    """Load this rank's model and AdamW shards (collective); returns the rank's saved step and progress."""
+    checkpoint = ray.train.Checkpoint(location)
+    with checkpoint.as_directory() as directory:
+        meta_file = Path(directory, f"rank-{rank}.json")
+        saved_ranks = len(list(Path(directory).glob("rank-*.json")))
+        if saved_ranks != world_size or not meta_file.is_file():
+            raise ValueError(f"worker checkpoint {location} was written by {saved_ranks} worker(s), the region "
+                             f"now has {world_size}: resume with the same number of workers per region")
+        meta = json.loads(meta_file.read_text())
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return meta
