@@ -1,6 +1,6 @@
 """What Ray + FSDP2 + the SyncActor cost: tokens/s per worker of a real run ÷ a bare PyTorch loop.
 
-    python benchmarks/overhead.py                       # ~4 min on 2 CPU cores
+    python benchmarks/overhead.py                       # ~8 min on 2 CPU cores
     python benchmarks/overhead.py --regions 1,2 --inner-steps 20 --outer-steps 3
 
 For each entry R of `--regions` (default 1 and 2), in one invocation on the same machine:
@@ -16,6 +16,9 @@ For each entry R of `--regions` (default 1 and 2), in one invocation on the same
   on token windows already in memory. Timed over all steps, from a barrier all processes pass together.
 
 The ratio framework ÷ bare is the share of bare-PyTorch speed the framework keeps (1.0 = no overhead).
+A second ratio compares the median inner step of each (the framework's from its workers, measured the same
+way): the steady state once Ray Data streams, without the one-off wait for the first batch, which on a
+short run on few cores is most of the difference.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -87,8 +91,9 @@ def bare_worker(config: dict, steps: int, barrier: Any, results: Any, index: int
     optimizer, scheduler = build_inner_optimizer(model.parameters(), cfg.inner, steps)
     batch, n = cfg.data.batch_size, len(windows) // cfg.data.batch_size
     barrier.wait()
-    started, tokens = time.perf_counter(), 0
+    started, tokens, step_rates = time.perf_counter(), 0, []
     for step in range(steps):
+        step_started = time.perf_counter()
         input_ids = windows[(step % n) * batch:(step % n + 1) * batch]
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
@@ -99,7 +104,8 @@ def bare_worker(config: dict, steps: int, barrier: Any, results: Any, index: int
         optimizer.zero_grad(set_to_none=True)
         loss.item()  # the framework reads the loss every step for its status line
         tokens += input_ids.numel()
-    results.put((index, tokens / (time.perf_counter() - started), float(loss)))
+        step_rates.append(input_ids.numel() / (time.perf_counter() - step_started))
+    results.put((index, tokens / (time.perf_counter() - started), statistics.median(step_rates), float(loss)))
 
 
 def bare_tokens_per_second(cfg: ExperimentConfig, processes: int) -> dict[str, Any]:
@@ -113,18 +119,23 @@ def bare_tokens_per_second(cfg: ExperimentConfig, processes: int) -> dict[str, A
     measured = [results.get(timeout=1800) for _ in procs]
     for proc in procs:
         proc.join()
-    rates = [rate for _, rate, _ in measured]
+    rates = [rate for _, rate, _, _ in measured]
+    medians = [median for _, _, median, _ in measured]
     return {"processes": processes, "tokens_per_second_per_process": sum(rates) / len(rates),
-            "rates": rates, "final_losses": [loss for _, _, loss in measured]}
+            "median_step_tokens_per_second": sum(medians) / len(medians),
+            "rates": rates, "final_losses": [loss for _, _, _, loss in measured]}
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| setup | concurrent workers | framework tokens/s/worker | bare PyTorch tokens/s/process "
-             "| ratio framework ÷ bare | framework compute utilization | framework wall s |",
-             "|---|---|---|---|---|---|---|"]
+             "| ratio framework ÷ bare | median step: framework | median step: bare | median step ratio "
+             "| framework compute utilization | framework wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['setup']} | {r['workers']} | {r['framework_tokens_per_second_per_worker']:,.0f} "
                      f"| {r['bare_tokens_per_second_per_process']:,.0f} | {r['ratio']:.3f} "
+                     f"| {r['framework_median_step_tokens_per_second']:,.0f} "
+                     f"| {r['bare_median_step_tokens_per_second']:,.0f} | {r['median_step_ratio']:.3f} "
                      f"| {r['compute_utilization']:.3f} | {r['wall_seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -164,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             "bare_tokens_per_second_per_process": bare["tokens_per_second_per_process"],
             "bare_rates": bare["rates"],
             "ratio": framework / bare["tokens_per_second_per_process"],
+            "framework_median_step_tokens_per_second": summary["median_step_tokens_per_second_per_worker"],
+            "bare_median_step_tokens_per_second": bare["median_step_tokens_per_second"],
+            "median_step_ratio": summary["median_step_tokens_per_second_per_worker"]
+            / bare["median_step_tokens_per_second"],
             "compute_utilization": summary["compute_utilization"],
             "sync_seconds": summary["sync_seconds"],
             "wall_seconds": summary["wall_seconds"],

@@ -231,6 +231,9 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
     worker_results = [r.return_value for r in results]
     summary["tokens_per_second_per_worker"] = round(
         sum(w["tokens_per_worker"] / w["train_seconds"] for w in worker_results) / len(worker_results), 1)
+    # The median inner step: throughput once streaming runs, without the wait for the first batch.
+    summary["median_step_tokens_per_second_per_worker"] = round(
+        sum(w["median_step_tokens_per_second"] for w in worker_results) / len(worker_results), 1)
     summary["compute_utilization"] = round(
         sum(1 - w["sync_wait_seconds"] / w["train_seconds"] for w in worker_results) / len(worker_results), 4)
     summary["eval_curve"] = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *curve]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import statistics
 import sys
 import time
 from typing import Any
@@ -196,6 +197,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                             progress)
 
     tokens_total, last_sync_seconds, sync_seconds_total = 0, 0.0, 0.0
+    step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits
     loop_started = time.perf_counter()
     peers = str(len(cfg.regions)) if sync_actor is not None else "-"
     outer_step = start_outer
@@ -208,6 +210,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if world_size > 1:  # the group's mean loss, not rank 0's alone
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG)
             seconds = time.perf_counter() - started
+            step_rates.append(tokens / seconds)
             if rank == 0:
                 status(f"[{region}] step {outer_step * H + inner + 1}/{cfg.total_inner_steps}"
                        f" | outer {outer_step + 1}/{cfg.run.outer_steps} | loss {loss.item():.4f}"
@@ -247,6 +250,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         progress_by_rank = [batches.progress()]
     result = {"rank": rank, "tokens_per_worker": tokens_total, "epochs": batches.epoch, "world_size": world_size,
               "data": combine_progress(progress_by_rank),
+              "median_step_tokens_per_second": statistics.median(step_rates) if step_rates else 0.0,
               # Time in the loop, and the part of it this rank waited on outer steps (compute utilization).
               "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total}
     if sync_actor is None:
