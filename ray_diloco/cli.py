@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: <output-dir>/<run-name>/checkpoints)")
     train.add_argument("--max-failures", type=int, metavar="N",
                        help="restarts of a region's worker group after a worker dies (default 1)")
-    train.add_argument("--resume", action="store_true", help="continue the run of the same --run-name from its "
-                       "latest committed checkpoints")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run of the same --run-name from its latest committed checkpoints, and fail "
+                            "if there are none (a run started again under its name continues from them anyway)")
     train.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     export = commands.add_parser("export", help="write θ_global of an outer checkpoint as a Hugging Face model dir")
     export.add_argument("--checkpoint", required=True, metavar="DIR",

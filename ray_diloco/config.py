@@ -211,7 +211,8 @@ class RunConfig:
     """Where checkpoints go: a local directory or an `s3://`, `gs://` URI reachable from every node
     (default: output_dir/name/checkpoints). Also the Ray Train storage path."""
     resume: bool = False
-    """Continue the run of the same name from its latest outer checkpoints."""
+    """Require continuing from checkpoints (an error if there are none). Without it a run whose name already
+    has committed checkpoints for every region continues from them too, as Ray Train does."""
     max_failures: int = 1
     """Restarts of a region's group after a worker dies (Ray Train FailureConfig); it resumes from θ_global."""
     eval_every: int = 0

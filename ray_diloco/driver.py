@@ -66,22 +66,35 @@ def region_placement(region: RegionConfig) -> dict[str, str] | None:
     return {REGION_LABEL: region.name} if region.name in labelled else None
 
 
-def resume_step(cfg: ExperimentConfig) -> int:
+def resume_step(cfg: ExperimentConfig) -> int | None:
     """The outer step every region of this driver resumes from: the newest one all of them committed (a stop
-    can land between two regions' commits; resuming the laggard's step keeps them in lockstep)."""
-    latest = {r.name: CheckpointStore(join(cfg.run.checkpoint_root(), r.name)).latest_step() for r in cfg.regions}
+    can land between two regions' commits; resuming the laggard's step keeps them in lockstep).
+
+    A run started again under the same name continues from its checkpoints, as Ray Train does for a run
+    with the same name and storage path (a `ray job submit` retried after a failure picks up where it
+    stopped). `--resume` insists: no checkpoint is then an error instead of a fresh start."""
+    root = cfg.run.checkpoint_root()
+    latest = {r.name: CheckpointStore(join(root, r.name)).latest_step() for r in cfg.regions}
     missing = [name for name, step in latest.items() if step is None]
-    if missing:
-        raise FileNotFoundError(f"--resume: no committed checkpoint for region(s) {missing} under "
-                                f"{cfg.run.checkpoint_root()}; was the run started with --checkpoint-every?")
-    return min(latest.values())
+    if not missing:
+        return min(latest.values())
+    if cfg.run.resume:
+        raise FileNotFoundError(f"--resume: no committed checkpoint for region(s) {missing} under {root}; "
+                                "was the run started with --checkpoint-every?")
+    if len(missing) < len(latest):
+        logger.warning("checkpoints under %s cover only some regions (none for %s): starting the run afresh",
+                       root, missing)
+    return None
 
 
 def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False, evaluator: Any = None) -> list[Any]:
     """The first region's actor bootstraps the DHT; the others join it with its multiaddrs."""
     actors, peers = [], list(cfg.outer.initial_peers)
     config = cfg.to_dict()
-    step = resume_step(cfg) if cfg.run.resume else None
+    step = resume_step(cfg) if cfg.run.mode == "diloco" else None
+    if step is not None:
+        print(f"[driver] continuing run {cfg.run.name} from outer step {step} (checkpoints under "
+              f"{cfg.run.checkpoint_root()})", flush=True)
     for region in cfg.regions:
         options: dict[str, Any] = {"name": f"diloco-sync-{cfg.run.name}-{region.name}"}
         selector = region_placement(region)

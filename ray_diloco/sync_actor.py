@@ -91,7 +91,7 @@ class SyncActorImpl:
         self.progress: dict[int, dict | None] = {}
         self.store = CheckpointStore(join(cfg.run.checkpoint_root(), region))
         self.committed: tuple[int, str] | None = None  # (outer step, worker checkpoint) of the last commit
-        if cfg.run.resume:
+        if resume_step is not None:
             self._resume_from_checkpoint(resume_step)
         if self.sharer is not None:
             self._join_if_behind()
@@ -162,8 +162,8 @@ class SyncActorImpl:
         self.outer.step_count = step
         self._digest = state_digest(self.outer.global_state())
 
-    def _resume_from_checkpoint(self, step: int | None) -> None:
-        """`step`: the outer step the driver resumes all its regions from (default: this region's latest)."""
+    def _resume_from_checkpoint(self, step: int) -> None:
+        """`step`: the outer step the driver resumes all its regions from."""
         checkpoint = self.store.load(step)
         self._set_state(checkpoint.outer_step, checkpoint.theta, checkpoint.momentum)
         self.progress, self.tokens = checkpoint.progress, checkpoint.tokens

@@ -41,6 +41,7 @@ def test_opendiloco_shapes_and_hyperparameters():
         ("outer: {matchmaking_seconds: 10, averaging_timeout: 5}", "outer.averaging_timeout"),
         ("run: {mode: async}", "run.mode"),
         ("run: {name: 'has space'}", "run.name"),
+        ("run: {mode: ddp, checkpoint_every: 2}", "run.checkpoint_every"),
         ("regions: [{name: us, workers: 0}]", "regions[us].workers"),
         ("regions: [{name: US}]", "regions[].name"),
         ("regions: [{name: us}, {name: us}]", "regions"),
@@ -59,3 +60,15 @@ def test_yaml_overrides_only_what_it_names():
     assert config.outer.inner_steps == 7
     assert config.outer.lr == 0.7  # untouched default
     assert [(r.name, r.workers) for r in config.regions] == [("eu", 2)]
+
+
+def test_train_flags_reach_the_config():
+    from ray_diloco.cli import build_parser, resolve_config
+
+    args = build_parser().parse_args(["train", "--regions", "us,eu", "--checkpoint-every", "3", "--checkpoint-path",
+                                      "s3://bucket/ckpt", "--max-failures", "4", "--resume", "--outer-steps", "9"])
+    cfg = resolve_config(args)
+    assert [r.name for r in cfg.regions] == ["us", "eu"]
+    assert (cfg.run.checkpoint_every, cfg.run.checkpoint_path, cfg.run.max_failures, cfg.run.resume,
+            cfg.run.outer_steps) == (3, "s3://bucket/ckpt", 4, True, 9)
+    assert cfg.run.checkpoint_root() == "s3://bucket/ckpt"
