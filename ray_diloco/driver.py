@@ -248,7 +248,8 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
     summary["median_step_tokens_per_second_per_worker"] = round(
         sum(w["median_step_tokens_per_second"] for w in worker_results) / len(worker_results), 1)
     summary["compute_utilization"] = round(
-        sum(1 - w["sync_wait_seconds"] / w["train_seconds"] for w in worker_results) / len(worker_results), 4)
+        sum(1 - (w["sync_wait_seconds"] + w["checkpoint_seconds"]) / w["train_seconds"] for w in worker_results)
+        / len(worker_results), 4)
     summary["eval_curve"] = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *curve]
     summary["parameters"] = num_params
     # What each group trained on: equal for two runs that saw the same windows (see batches.py).

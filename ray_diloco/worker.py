@@ -196,7 +196,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     batches = WorkerBatches(ray.train.get_dataset_shard("train"), cfg.data.batch_size, device, world_size,
                             progress)
 
-    tokens_total, last_sync_seconds, sync_seconds_total = 0, 0.0, 0.0
+    tokens_total, last_sync_seconds, sync_seconds_total, checkpoint_seconds = 0, 0.0, 0.0, 0.0
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits
     loop_started = time.perf_counter()
     peers = str(len(cfg.regions)) if sync_actor is not None else "-"
@@ -234,8 +234,10 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             outer_step = reached
             every = cfg.run.checkpoint_every
             if every and outer_step % every == 0:
+                checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, batches, loop_config["worker_checkpoints"],
                                   outer_step, rank, world_size)
+                checkpoint_seconds += time.perf_counter() - checkpoint_started
         else:
             outer_step += 1
             if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:
@@ -251,8 +253,10 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     result = {"rank": rank, "tokens_per_worker": tokens_total, "epochs": batches.epoch, "world_size": world_size,
               "data": combine_progress(progress_by_rank),
               "median_step_tokens_per_second": statistics.median(step_rates) if step_rates else 0.0,
-              # Time in the loop, and the part of it this rank waited on outer steps (compute utilization).
-              "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total}
+              # Time in the loop, and the parts of it this rank waited on outer steps and wrote checkpoints:
+              # the rest is compute (compute utilization).
+              "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total,
+              "checkpoint_seconds": checkpoint_seconds}
     if sync_actor is None:
         state = full_state(model)
         if rank == 0:  # Ray Train refuses torch tensors in return values; numpy arrays travel fine
