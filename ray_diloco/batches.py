@@ -44,15 +44,18 @@ class WorkerBatches:
     def __init__(self, shard, batch_size: int, device: torch.device, world_size: int,
                  progress: dict[str, Any] | None = None):
         self.shard, self.batch_size, self.device, self.world_size = shard, batch_size, device, world_size
-        self.epoch = self.batches = self.windows = self.fingerprint = 0
+        self.epoch = self.batches = self.epoch_batches = self.windows = self.fingerprint = 0
         self._iter = self._new_epoch()
         if progress:
             if progress["world_size"] != world_size:
                 raise ValueError(f"the data position was saved with {progress['world_size']} workers in the "
                                  f"region, now there are {world_size}: each worker's share of the data depends "
                                  "on the worker count; resume with the same number of workers")
-            self.skip(progress["batches"])
-            self.windows, self.fingerprint = progress["windows"], int(progress["fingerprint"], 16)
+            # Every epoch is the same sequence: start the saved epoch and read past its consumed part.
+            self.epoch = progress["epoch"]
+            self.skip(progress["epoch_batches"])
+            self.batches, self.windows = progress["batches"], progress["windows"]
+            self.fingerprint = int(progress["fingerprint"], 16)
 
     def _new_epoch(self):
         # Hashing happens on the host arrays, before the copy to the accelerator.
@@ -63,9 +66,11 @@ class WorkerBatches:
             batch = next(self._iter)
         except StopIteration:
             self.epoch += 1
+            self.epoch_batches = 0
             self._iter = self._new_epoch()
             batch = next(self._iter)
         self.batches += 1
+        self.epoch_batches += 1
         return batch[COLUMN]
 
     def next(self) -> torch.Tensor:
@@ -76,10 +81,11 @@ class WorkerBatches:
 
     def skip(self, batches: int) -> None:
         """Read past `batches` batches without training on them (they were trained on before a restart).
-        This re-reads and re-tokenizes them: time linear in the position within the run."""
+        This re-reads and re-tokenizes them: time linear in the position within the epoch."""
         for _ in range(batches):
             self._next_array()
 
     def progress(self) -> dict[str, Any]:
-        return {"batches": self.batches, "epoch": self.epoch, "windows": self.windows,
+        return {"batches": self.batches, "epoch": self.epoch, "epoch_batches": self.epoch_batches,
+                "windows": self.windows,
                 "fingerprint": f"{self.fingerprint:016x}", "world_size": self.world_size}
