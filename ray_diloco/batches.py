@@ -77,7 +77,8 @@ class WorkerBatches:
         windows = self._next_array()
         self.windows += len(windows)
         self.fingerprint = (self.fingerprint + window_fingerprint(windows)) % _MOD
-        return torch.as_tensor(windows, dtype=torch.long).to(self.device, non_blocking=True)
+        # astype copies: Ray hands out read-only arrays, which torch would otherwise warn about.
+        return torch.from_numpy(windows.astype(np.int64)).to(self.device, non_blocking=True)
 
     def skip(self, batches: int) -> None:
         """Read past `batches` batches without training on them (they were trained on before a restart).
