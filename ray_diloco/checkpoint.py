@@ -46,7 +46,7 @@ class OuterCheckpoint:
     outer_step: int
     theta: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
-    # rank -> {"batches", "windows", "fingerprint"}: what each worker of the region has consumed so far.
+    # rank -> `WorkerBatches.progress()`: what each worker of the region has consumed so far.
     progress: dict[int, dict[str, Any]] = field(default_factory=dict)
     worker_checkpoint: str | None = None
     tokens: int = 0  # trained by the region so far
@@ -97,8 +97,10 @@ class CheckpointStore:
 
     def load(self, step: int | None = None) -> OuterCheckpoint:
         """The checkpoint of `step` (default: the latest committed one)."""
-        step = self.latest_step() if step is None else step
-        if step is None or step not in self.steps():
+        steps = self.steps()  # one listing of the store
+        if step is None and steps:
+            step = steps[-1]
+        if step is None or step not in steps:
             raise FileNotFoundError(f"no committed outer checkpoint{'' if step is None else f' of step {step}'} "
                                     f"under {self.root}; was the run started with run.checkpoint_every > 0?")
         return load_outer_checkpoint(self.location(step))

@@ -75,9 +75,10 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     from ray_diloco.model import build_model, save_model
     from ray_diloco.tokenizer import load_tokenizer
 
-    latest = CheckpointStore(checkpoint).latest_step()  # a region's directory: its latest checkpoint
+    store = CheckpointStore(checkpoint)
+    latest = store.latest_step()  # given a region's directory: its latest checkpoint
     try:
-        saved = CheckpointStore(checkpoint).load(latest) if latest is not None else load_outer_checkpoint(checkpoint)
+        saved = load_outer_checkpoint(store.location(latest) if latest is not None else checkpoint)
     except FileNotFoundError as error:
         raise ConfigError(f"--checkpoint: {error}") from error
     cfg = ExperimentConfig.from_dict(yaml.safe_load(saved.config_yaml))

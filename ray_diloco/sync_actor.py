@@ -171,16 +171,14 @@ class SyncActorImpl:
         self.record_event("resumed", checkpoint=self.store.location(checkpoint.outer_step), digest=self._digest)
 
     # -- checkpoints: the workers' first, then ours ----------------------------------------------------
-    def resume_point(self, rank: int, world_size: int) -> dict:
+    def resume_point(self, rank: int) -> dict:
         """Where a (re)starting worker of this region continues: the outer step, its data position, and the
         worker checkpoint (inner AdamW state) of that outer step when one is committed."""
-        progress = self.progress.get(rank)
-        if progress is not None and progress["world_size"] != world_size:
-            raise ValueError(f"region {self.region} trained with {progress['world_size']} workers and now has "
-                             f"{world_size}: resume with the same number of workers per region")
+        # A different worker count is refused where the state is used: by the worker checkpoint loader and
+        # by WorkerBatches, whose position is only valid for the worker count that saved it.
         step = self.outer.step_count
         worker_checkpoint = self.committed[1] if self.committed and self.committed[0] == step else None
-        return {"outer_step": step, "progress": progress, "worker_checkpoint": worker_checkpoint}
+        return {"outer_step": step, "progress": self.progress.get(rank), "worker_checkpoint": worker_checkpoint}
 
     async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str:
         """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,

@@ -133,7 +133,7 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
     SyncActor (not the init: a restarted, resumed or joining region starts from the run's current state), the
     inner AdamW state and schedule position from the worker checkpoint of that same outer step when one is
     committed, and the data position the SyncActor recorded for this rank. Returns (outer step, data position)."""
-    point = ray.get(sync_actor.resume_point.remote(rank, world_size))
+    point = ray.get(sync_actor.resume_point.remote(rank))
     rows = ray.get(sync_actor.global_rows.remote(rank, world_size))
     inner_position = point["outer_step"] * inner_steps
     if point["worker_checkpoint"] is not None:
