@@ -144,6 +144,15 @@ def test_parse_c4_lines_skips_and_counts_bad_records():
     assert skipped == 5
 
 
+def test_parse_c4_lines_skips_a_line_that_makes_the_parser_recurse_too_deep():
+    # json.loads raises RecursionError (not ValueError) on deep nesting: one such line in a crawl
+    # used to fail the whole Ray Data task.
+    lines = [json.dumps({"text": "one"}), "[" * 100_000, "{" * 100_000, json.dumps({"text": "two"})]
+    texts, skipped = parse_c4_lines(lines)
+    assert texts == ["one", "two"]
+    assert skipped == 2
+
+
 def test_pack_documents_small_case_and_conservation():
     windows, tail = pack_documents([[1, 2, 3], [4, 5]], eos_id=0, seq_len=3)
     assert windows.dtype == np.int32

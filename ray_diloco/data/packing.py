@@ -15,7 +15,7 @@ import numpy as np
 def parse_c4_lines(lines: Iterable[str]) -> tuple[list[str], int]:
     """The `text` of each JSON-lines record, and how many records were skipped.
 
-    A record is skipped (counted, never raised) when the line is not valid JSON, not a JSON
+    A record is skipped (counted, never raised) when the line does not parse, is not a JSON
     object, or has no non-empty string `text`: one bad line in a multi-GB crawl must not stop a
     training run, but the count makes silent data loss visible. Blank lines are not records.
     """
@@ -26,7 +26,9 @@ def parse_c4_lines(lines: Iterable[str]) -> tuple[list[str], int]:
             continue
         try:
             record = json.loads(line)
-        except ValueError:  # json.JSONDecodeError and bad unicode escapes
+        # Any exception, not just ValueError: deep nesting ("[[[[...") raises RecursionError,
+        # and one line of the crawl must not fail the Ray Data task that reads it.
+        except Exception:
             skipped += 1
             continue
         text = record.get("text") if isinstance(record, dict) else None
