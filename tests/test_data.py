@@ -220,6 +220,32 @@ def test_broken_lines_are_skipped_and_counted(ray_local, tok, tmp_path):
     assert got.reshape(-1).tolist() == direct[: got.numel()]
 
 
+def test_each_bad_line_is_counted_once_over_two_epochs(ray_local, tmp_path, monkeypatch):
+    """A second pass re-runs every pack batch (as would a retried task): the counters must not grow."""
+    options = ray.data.DataContext.get_current().execution_options
+    monkeypatch.setattr(options, "preserve_order", True)  # as the driver sets it
+    good = [line for line in _read_lines(embedded_eval_path()) if line][:40]
+    for shard in range(2):  # two files, several pack batches each, bad lines in different batches
+        lines = list(good[shard * 20 : shard * 20 + 20])
+        for at in (3, 11, 17):
+            lines.insert(at, f'{{"text": "cut off in shard {shard} at {at}')
+        with gzip.open(tmp_path / f"c4-train.{shard:05d}-of-00002.json.gz", "wt", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+
+    cfg = DataConfig(seq_len=16, batch_size=4, docs_per_pack_batch=8)
+    counters = DataCounters.remote()
+    ds = build_region_dataset(cfg, list_data_files(str(tmp_path)), counters)
+    first = torch.cat(_consume(ds, cfg.batch_size))
+    after_one = ray.get(counters.get.remote())
+    second = torch.cat(_consume(ds, cfg.batch_size))
+    after_two = ray.get(counters.get.remote())
+    assert after_one["skipped"] == 6 and after_one["docs"] == 40
+    assert after_one["pack_batches"] >= 2 * 23 // cfg.docs_per_pack_batch
+    # Same batch boundaries in both epochs (preserve_order): no new batch key, no count twice.
+    assert after_two == after_one
+    assert torch.equal(first, second)
+
+
 def test_file_with_only_bad_lines_gives_no_windows(ray_local, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": \n{"no": "text"}\nnot json\n')

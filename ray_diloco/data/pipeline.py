@@ -8,6 +8,7 @@ task, the training workers hold the CPUs and the stream stalls.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -29,28 +30,49 @@ logger = logging.getLogger(__name__)
 COLUMN = "input_ids"
 
 
+_COUNTS = ("skipped", "docs", "tokens", "tail_dropped")
+
+
 @ray.remote(num_cpus=0)
 class DataCounters:
-    """Totals over all pack batches of a pipeline (cumulative over every pass / epoch).
+    """Totals over the distinct pack batches of a pipeline: each input line counted once per run.
+
+    Every epoch re-reads and re-packs the same batches, and so does a retried task; each batch
+    reports a key (a hash of its input lines) and a batch seen again replaces its earlier counts
+    rather than adding to them. This relies on the batch boundaries being the same in every pass,
+    which holds when Ray Data preserves order (the driver sets `preserve_order`). Memory: one small
+    entry per distinct pack batch (docs_per_pack_batch documents each).
 
     Map tasks call `add` and wait for it (see `_pack_batch`), so once a dataset has been fully
-    consumed, `get()` includes every batch that produced output. A retried task counts twice.
+    consumed, `get()` includes every batch that produced output.
     """
 
     def __init__(self) -> None:
-        keys = ("skipped", "docs", "tokens", "tail_dropped", "pack_batches")
-        self._totals = dict.fromkeys(keys, 0)
+        self._batches: dict[bytes, tuple[int, ...]] = {}
 
-    def add(self, skipped: int, docs: int, tokens: int, tail_dropped: int) -> None:
-        """Counts of one pack batch (one call per map_batches batch)."""
-        for key, value in zip(self._totals, (skipped, docs, tokens, tail_dropped)):
-            self._totals[key] += int(value)
-        self._totals["pack_batches"] += 1
+    def add(self, key: bytes, skipped: int, docs: int, tokens: int, tail_dropped: int) -> None:
+        """Counts of one pack batch, `key` = `batch_key` of its input lines."""
+        self._batches[key] = (int(skipped), int(docs), int(tokens), int(tail_dropped))
 
     def get(self) -> dict[str, int]:
         """skipped records, documents kept, tokens incl. one EOS per doc, tail tokens dropped,
         pack batches seen (each drops a tail of < seq_len tokens)."""
-        return dict(self._totals)
+        totals = [sum(column) for column in zip(*self._batches.values())] or [0] * len(_COUNTS)
+        return {**dict(zip(_COUNTS, totals)), "pack_batches": len(self._batches)}
+
+
+def batch_key(items: Any) -> bytes:
+    """A hash of a pack batch's input lines (or texts): the same batch read again has the same key.
+
+    Each item is length-prefixed, so that ["ab", "c"] and ["a", "bc"] differ; a non-string item
+    (a null text from a Hugging Face stream) hashes as its repr.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for item in items:
+        data = (item if isinstance(item, str) else repr(item)).encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
 
 
 # One tokenizer per worker process: tasks get the tokenizer's *name* and load it once here,
@@ -88,7 +110,8 @@ def _pack_batch(
         # Waited for (a few ms per batch of documents): a fire-and-forget call could still be in
         # flight when the consumer has read every window and asks the counters for totals.
         tokens = sum(len(t) for t in ids) + len(ids)
-        ray.get(counters.add.remote(skipped, len(texts), tokens, tail))
+        key = batch_key(batch["text"])
+        ray.get(counters.add.remote(key, skipped, len(texts), tokens, tail))
     return {COLUMN: windows}
 
 
