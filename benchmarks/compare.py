@@ -27,12 +27,14 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ray_diloco.config import ExperimentConfig, RegionConfig
+from ray_diloco.driver import run_training
 from ray_diloco.presets import tiny_cpu
 
 DEFAULT_OUTPUT_DIR = "runs/compare"
@@ -306,23 +308,6 @@ def ray_session(address: str | None, workers: int):
         ray.shutdown()
 
 
-def run_arm(cfg: ExperimentConfig, address: str | None) -> dict[str, Any]:
-    """`run_training`, working around a NameError in its ddp/single branch: driver.py (commit 5436c6b)
-    reads `group` after the list comprehension that bound it. The failing lookup falls back to a module
-    global of that name, set here for the call only; once the driver binds `group` itself, its local
-    variable shadows this and the work-around does nothing."""
-    from ray_diloco import driver
-
-    patch = cfg.run.mode != "diloco" and not hasattr(driver, "group")
-    if patch:
-        driver.group = driver.training_groups(cfg)[0]  # the driver reads only .name and .workers
-    try:
-        return driver.run_training(cfg, address=address)
-    finally:
-        if patch:
-            del driver.group
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
@@ -331,8 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     base = base_config(args)
     print(f"[compare] warm start: {args.warmup_steps} steps, mode single", flush=True)
+    # The arms' directories are this benchmark's own: each invocation starts them afresh (a run found under
+    # its name would otherwise be continued, or refused if the flags changed).
+    for label in ("warm-start", *(label for label, _, _ in ARMS)):
+        shutil.rmtree(out / label, ignore_errors=True)
     with ray_session(args.address, args.workers):
-        warm = run_arm(warm_start_config(base, args.warmup_steps), args.address)
+        warm = run_training(warm_start_config(base, args.warmup_steps), address=args.address)
     init_from = str(out / "warm-start" / "model")
     summaries: dict[str, dict] = {}
     for label, mode, compression in ARMS:
@@ -340,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         cfg = arm_config(base, label, mode, compression, init_from, args.baseline_eval_steps)
         with ray_session(args.address, args.workers):
-            summaries[label] = run_arm(cfg, args.address)
+            summaries[label] = run_training(cfg, address=args.address)
 
     ddp_sent = summaries["ddp"]["comm_bytes_sent"]
     ddp_per_worker = sum(ddp_sent.values()) / len(ddp_sent)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
+from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, fresh_run_name
 from ray_diloco.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 
@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true",
                        help="continue the run of the same --run-name from its latest committed checkpoints, and fail "
                             "if there are none (a run started again under its name continues from them anyway)")
-    train.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    train.add_argument("--address", help="run on this Ray cluster ('auto': the one `ray start` runs on this machine); "
+                       "default: start a private local Ray (inside `ray job submit`: the job's cluster)")
+    train.add_argument("--debug", action="store_true", help="show the traceback of configuration errors too")
     export = commands.add_parser("export", help="write θ_global of an outer checkpoint as a Hugging Face model dir")
     export.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="<checkpoints>/<region>/outer-NNNNNN, or <checkpoints>/<region> for the latest "
@@ -88,51 +90,89 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     return Path(out)
 
 
+def read_config_file(path: Path) -> dict:
+    """The YAML mapping in `--config`; a syntax error is reported as file:line:column, not a traceback."""
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file {path}")
+    try:
+        given = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"--config: {where}: invalid YAML ({problem})") from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of sections (model, data, ...)")
+    return given
+
+
 def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
     """Preset, then the YAML file, then the flags: each later source overrides what it names."""
-    merged = get_preset(args.preset or DEFAULT_PRESET).to_dict()
+    preset = args.preset or DEFAULT_PRESET
+    merged = get_preset(preset).to_dict()
     if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
-        given = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(given, dict):
-            raise ConfigError(f"--config: {path} must hold a mapping of sections (model, data, ...)")
-        for section, values in given.items():
+        for section, values in read_config_file(Path(args.config)).items():
             mergeable = isinstance(values, dict) and isinstance(merged.get(section), dict)
             merged[section] = {**merged[section], **values} if mergeable else values
     cfg = ExperimentConfig.from_dict(merged)
-    return apply_flags(cfg, args) if getattr(args, "command", None) == "train" else cfg
+    if getattr(args, "command", None) != "train":
+        return cfg
+    cfg = apply_flags(cfg, args)
+    if cfg.run.name is None:
+        if cfg.run.resume:
+            raise ConfigError("--resume: name the run to continue with --run-name (runs without a name get a "
+                              "fresh one)")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=fresh_run_name(preset)))
+    return cfg
 
 
-def _regions_from_flag(value: str, workers: int) -> list[RegionConfig]:
-    if value.isdigit():
-        if int(value) < 1:
+def _regions_from_flag(value: str, template: RegionConfig, workers: int) -> list[RegionConfig]:
+    """Regions named by `--regions` (a count or names), each shaped like the preset's or config's first
+    region: its per-worker CPUs and GPUs stay (a GPU preset must not silently become a CPU run)."""
+    if value.strip().isdigit():
+        count = int(value)
+        if count < 1:
             raise ConfigError("--regions: give at least 1")
-        return [RegionConfig(name=f"region-{chr(ord('a') + i)}" if i < 26 else f"region-{i}", workers=workers)
-                for i in range(int(value))]
-    return [RegionConfig(name=name.strip(), workers=workers) for name in value.split(",") if name.strip()]
+        names = [f"region-{chr(ord('a') + i)}" if i < 26 else f"region-{i}" for i in range(count)]
+    else:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        if not names:
+            raise ConfigError("--regions: give a count (3) or comma-separated names (us,eu)")
+    try:
+        return [dataclasses.replace(template, name=name, workers=workers) for name in names]
+    except ConfigError as error:
+        raise ConfigError(f"--regions: {error}") from None
+
+
+def _check_flag(args: argparse.Namespace, flag: str, minimum: int) -> None:
+    value = getattr(args, flag)
+    if value is not None and value < minimum:
+        raise ConfigError(f"--{flag.replace('_', '-')}: must be >= {minimum}, got {value}")
 
 
 def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentConfig:
     replace = dataclasses.replace
+    # Checked here, so an error names the flag the user typed (0 is a value, not "not given").
+    for flag, minimum in (("workers_per_region", 1), ("inner_steps", 1), ("outer_steps", 1), ("eval_every", 0),
+                          ("checkpoint_every", 0), ("max_failures", 0)):
+        _check_flag(args, flag, minimum)
     regions = cfg.regions
-    if args.regions:
-        workers = args.workers_per_region or regions[0].workers
-        regions = _regions_from_flag(args.regions, workers)
-    elif args.workers_per_region:
+    if args.regions is not None:
+        workers = args.workers_per_region if args.workers_per_region is not None else regions[0].workers
+        regions = _regions_from_flag(args.regions, regions[0], workers)
+    elif args.workers_per_region is not None:
         regions = [replace(r, workers=args.workers_per_region) for r in regions]
     outer = cfg.outer
     if args.inner_steps is not None:
         outer = replace(outer, inner_steps=args.inner_steps)
-    if args.compression:
+    if args.compression is not None:
         outer = replace(outer, compression=args.compression)
-    if args.initial_peers:
+    if args.initial_peers is not None:
         outer = replace(outer, initial_peers=[p.strip() for p in args.initial_peers.split(",") if p.strip()])
     data = cfg.data
-    if args.data:
+    if args.data is not None:
         data = replace(data, path=args.data)
-    if args.eval_data:
+    if args.eval_data is not None:
         data = replace(data, eval_path=args.eval_data)
     run = cfg.run
     for flag, field in (("outer_steps", "outer_steps"), ("seed", "seed"), ("output_dir", "output_dir"),
@@ -164,12 +204,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(cfg.to_yaml(), end="")
             return 0
-        from ray_diloco.driver import run_training  # Ray and torch load only for training
+        from ray_diloco.run_setup import prepare_run, training_groups
 
-        summary = run_training(cfg, address=args.address)
+        # Every input is checked before Ray, torch and the driver are even imported: a bad flag costs seconds.
+        prepared = prepare_run(cfg, training_groups(cfg))
+        from ray_diloco.driver import run_training
+
+        summary = run_training(cfg, address=args.address, prepared=prepared)
         return 0 if summary["eval_loss"] == summary["eval_loss"] else 1  # NaN loss fails the command
     except ConfigError as error:
-        print(f"ray-diloco: configuration error: {error}", file=sys.stderr)
+        if getattr(args, "debug", False):
+            raise
+        print(f"ray-diloco: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
+import time
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -31,6 +32,19 @@ COMPRESSIONS = ("none", "bf16", "fp16")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 MODES = ("diloco", "ddp", "single")
 _REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
+DEFAULT_OUTPUT_DIR = "~/ray_diloco_results"  # absolute once expanded, like Ray Train's ~/ray_results
+
+
+def _local_path(path: str, base: str | None = None) -> str:
+    """`~` expanded; a relative path joined to `base` (default: the working directory)."""
+    path = os.path.expanduser(path)
+    return os.path.normpath(os.path.join(base or os.getcwd(), path))
+
+
+def fresh_run_name(prefix: str) -> str:
+    """A run name nobody used: prefix + start time + 4 random hex digits (two runs started in the same
+    second stay apart)."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 @dataclass(kw_only=True)
@@ -150,6 +164,9 @@ class OuterConfig:
     """Hivemind multiaddrs of a running region: join a run started from another Ray cluster."""
     host: str = "127.0.0.1"
     """Address the Hivemind node listens on; use 0.0.0.0 (and an announced address) across machines."""
+    sync_actor_cpus: float = 0.5
+    """CPUs the Ray scheduler reserves for each region's SyncActor: it mostly waits on the network, and
+    runs the outer step (a few fp32 passes over the model) once per round."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "outer.lr", f"must be > 0, got {self.lr}")
@@ -160,6 +177,7 @@ class OuterConfig:
         _require(self.inner_steps >= 1, "outer.inner_steps", f"must be >= 1, got {self.inner_steps}")
         _require(self.compression in COMPRESSIONS, "outer.compression", f"must be one of {COMPRESSIONS}")
         _require(self.matchmaking_seconds > 0, "outer.matchmaking_seconds", "must be > 0")
+        _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")
         _require(
             self.averaging_timeout > self.matchmaking_seconds,
             "outer.averaging_timeout",
@@ -192,15 +210,18 @@ class RegionConfig:
 class RunConfig:
     """The run as a whole: how long, which mode, where the results go."""
 
-    name: str = "diloco"
-    """Run id: scopes Hivemind matchmaking (two runs on one DHT never mix) and names the output."""
+    name: str | None = None
+    """Run id: scopes Hivemind matchmaking (two runs on one DHT never mix) and names the output. None: a
+    fresh name (preset + time) is made at start; to continue a run, name it."""
     mode: str = "diloco"
     outer_steps: int = 5
     """T: number of outer steps; the run trains T × H inner steps per region (ddp and single modes train
     the same T × H steps, with no outer step)."""
     seed: int = 0
-    output_dir: str = "runs"
-    """The run writes to output_dir/name/ (summary.json, config.yaml, model/, Ray Train storage)."""
+    output_dir: str = DEFAULT_OUTPUT_DIR
+    """The run writes to output_dir/name/ (summary.json, config.yaml, model/, Ray Train storage). A relative
+    path resolves against the directory `ray-diloco` started in (in a `ray job submit` job, whose directory
+    is Ray's temporary copy of the working dir: against the home directory)."""
     init_from: str | None = None
     """Warm start: a saved model directory (a run's model/ or `ray-diloco export`) instead of the seeded init."""
     checkpoint_every: int = 0
@@ -220,12 +241,12 @@ class RunConfig:
 
     def checkpoint_root(self) -> str:
         if self.checkpoint_path:
-            return self.checkpoint_path if "://" in self.checkpoint_path else os.path.abspath(self.checkpoint_path)
-        return os.path.join(os.path.abspath(self.output_dir), self.name, "checkpoints")
+            return self.checkpoint_path if "://" in self.checkpoint_path else _local_path(self.checkpoint_path)
+        return os.path.join(_local_path(self.output_dir), self.name, "checkpoints")
 
     def __post_init__(self) -> None:
         _require(
-            bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", self.name)),
+            self.name is None or bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", self.name)),
             "run.name",
             f"{self.name!r} must be letters, digits, '-' or '_' (at most 64), it names files and DHT keys",
         )
@@ -284,13 +305,6 @@ class ExperimentConfig:
     def from_yaml(cls, text: str) -> "ExperimentConfig":
         return cls.from_dict(yaml.safe_load(text) or {})
 
-    @classmethod
-    def load(cls, path: str | Path) -> "ExperimentConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
-        return cls.from_yaml(path.read_text())
-
 
 def _build_section(section_cls: type, raw: Any, prefix: str) -> Any:
     _require(isinstance(raw, dict), prefix, f"must be a mapping, got {type(raw).__name__}")
@@ -320,11 +334,41 @@ def _check_type(value: Any, hint: Any, field_name: str) -> Any:
         if option is str and isinstance(value, str):
             return value
         if typing.get_origin(option) is list and isinstance(value, list):
-            return value
+            (element,) = typing.get_args(option)
+            return [_check_type(item, element, f"{field_name}[{i}]") for i, item in enumerate(value)]
     wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options)
     raise ConfigError(f"{field_name}: expected {wanted}, got {value!r} ({type(value).__name__})")
 
 
-def replace_section(config: ExperimentConfig, **sections: Any) -> ExperimentConfig:
-    """A copy of `config` with whole sections replaced (validation runs again)."""
-    return dataclasses.replace(config, **sections)
+
+# What a continued run must keep: the model's shape, the regions and their worker counts, which windows each
+# worker reads in what order (data source, tokenizer, cutting, seed) and where schedules and data positions
+# stand (H, grad_accum). Everything else (outer_steps, eval_every, learning rates, timeouts…) may change.
+RESUME_FIXED = ("model", "regions", "data.path", "data.hf_dataset", "data.hf_config", "data.tokenizer",
+                "data.seq_len", "data.batch_size", "data.docs_per_pack_batch", "inner.grad_accum",
+                "outer.inner_steps", "run.mode", "run.seed")
+_NOT_COMPARED = ("run.name", "run.resume", "run.output_dir", "run.checkpoint_path")
+
+
+def _flatten(cfg: ExperimentConfig) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section, values in cfg.to_dict().items():
+        if section == "regions":  # names and worker counts shape the run; per-worker resources may change
+            flat["regions"] = [(r["name"], r["workers"]) for r in values]
+            flat["region_resources"] = [(r["cpus_per_worker"], r["gpus_per_worker"]) for r in values]
+        else:
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+    return flat
+
+
+def config_changes(old: ExperimentConfig, new: ExperimentConfig) -> tuple[list[str], list[str]]:
+    """(breaking, allowed): the fields, as 'section.field: old -> new', in which `new` differs from a run's
+    stored `old` config. A breaking change makes continuing the run from its checkpoints impossible."""
+    before, after = _flatten(old), _flatten(new)
+    breaking, allowed = [], []
+    for key in before.keys() | after.keys():
+        if key in _NOT_COMPARED or before.get(key) == after.get(key):
+            continue
+        fixed = any(key == f or key.startswith(f + ".") for f in RESUME_FIXED)
+        (breaking if fixed else allowed).append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
+    return sorted(breaking), sorted(allowed)

@@ -6,14 +6,13 @@ It runs wherever `ray job submit` or `ray-diloco train` starts it; the work itse
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,15 +21,16 @@ from ray.data import ExecutionOptions
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from ray_diloco.checkpoint import CheckpointStore, join
+from ray_diloco.checkpoint import join
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets
 from ray_diloco.evaluator import Evaluator
-from ray_diloco.model import build_model, count_parameters, padded_vocab_size, save_model
+from ray_diloco.model import build_model, count_parameters, save_model
 from ray_diloco.outer import state_digest
+from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, local_cpus_for
+from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
 from ray_diloco.sync_actor import SyncActor
-from ray_diloco.tokenizer import load_tokenizer
 from ray_diloco.worker import region_train_loop
 
 logger = logging.getLogger(__name__)
@@ -38,26 +38,25 @@ logger = logging.getLogger(__name__)
 REGION_LABEL = "ray.io/availability-region"
 
 
-def resolve_vocab(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
-    """Fix the model's vocabulary from the tokenizer once, so workers never load the tokenizer to size it."""
-    vocab = padded_vocab_size(cfg.model, len(tokenizer))
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-
-
-def ensure_ray(address: str | None, cfg: ExperimentConfig) -> None:
+def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionConfig]) -> None:
+    """Attach to the cluster named by --address or RAY_ADDRESS (`ray job submit` sets it), else start a
+    private local Ray sized for the run: never the `ray start` cluster of this machine by surprise
+    (`ray.init()` would attach to it, and refuses `num_cpus` then)."""
     if ray.is_initialized():
         return
-    if address or os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets RAY_ADDRESS for its driver
-        ray.init(address=address)
-        return
-    # A local cluster: logical CPUs for every worker and SyncActor even on a 2-core machine
-    # (they take turns on the cores; torch threads per worker are pinned to 1).
-    needed = sum(r.workers * r.cpus_per_worker for r in cfg.regions) + len(cfg.regions) + 2
-    # With the dashboard: users watch the run there, and Ray Train's placement-group cleaner needs its
-    # State API (without it, it logs "Failed to query Ray Train Controller actor state" over and over).
-    context = ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=True)
-    if context.dashboard_url:
-        print(f"[driver] Ray dashboard: http://{context.dashboard_url}", flush=True)
+    address = address or os.environ.get("RAY_ADDRESS")
+    # WARNING: Ray's INFO start-up lines repeat what the driver prints below.
+    quiet = dict(logging_level=logging.WARNING, include_dashboard=True)
+    if address:
+        context = ray.init(address=address, **quiet)
+        what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
+    else:
+        # With the dashboard: users watch the run there, and Ray Train's placement-group cleaner needs its
+        # State API (without it, it logs "Failed to query Ray Train Controller actor state" over and over).
+        context = ray.init(address="local", num_cpus=local_cpus_for(cfg, groups, os.cpu_count() or 1), **quiet)
+        what = "started a private local Ray (--address auto runs on a cluster `ray start` runs here)"
+    dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
+    print(f"[driver] {what}{dashboard}", flush=True)
 
 
 def region_placement(region: RegionConfig) -> dict[str, str] | None:
@@ -66,37 +65,19 @@ def region_placement(region: RegionConfig) -> dict[str, str] | None:
     return {REGION_LABEL: region.name} if region.name in labelled else None
 
 
-def resume_step(cfg: ExperimentConfig) -> int | None:
-    """The outer step every region of this driver resumes from: the newest one all of them committed (a stop
-    can land between two regions' commits; resuming the laggard's step keeps them in lockstep).
-
-    A run started again under the same name continues from its checkpoints, as Ray Train does for a run
-    with the same name and storage path (a `ray job submit` retried after a failure picks up where it
-    stopped). `--resume` insists: no checkpoint is then an error instead of a fresh start."""
-    root = cfg.run.checkpoint_root()
-    latest = {r.name: CheckpointStore(join(root, r.name)).latest_step() for r in cfg.regions}
-    missing = [name for name, step in latest.items() if step is None]
-    if not missing:
-        return min(latest.values())
-    if cfg.run.resume:
-        raise FileNotFoundError(f"--resume: no committed checkpoint for region(s) {missing} under {root}; "
-                                "was the run started with --checkpoint-every?")
-    if len(missing) < len(latest):
-        logger.warning("checkpoints under %s cover only some regions (none for %s): starting the run afresh",
-                       root, missing)
-    return None
-
-
-def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False, evaluator: Any = None) -> list[Any]:
-    """The first region's actor bootstraps the DHT; the others join it with its multiaddrs."""
+def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], record_rounds: bool = False,
+                      evaluator: Any = None) -> list[Any]:
+    """The first region's actor bootstraps the DHT; the others join it with its multiaddrs. `resume`: the
+    outer step each region continues from (None: a fresh start)."""
     actors, peers = [], list(cfg.outer.initial_peers)
     config = cfg.to_dict()
-    step = resume_step(cfg) if cfg.run.mode == "diloco" else None
-    if step is not None:
-        print(f"[driver] continuing run {cfg.run.name} from outer step {step} (checkpoints under "
+    if any(step is not None for step in resume.values()):
+        print(f"[driver] continuing run {cfg.run.name} from outer steps {resume} (checkpoints under "
               f"{cfg.run.checkpoint_root()})", flush=True)
     for region in cfg.regions:
-        options: dict[str, Any] = {"name": f"diloco-sync-{cfg.run.name}-{region.name}"}
+        step = resume[region.name]
+        options: dict[str, Any] = {"name": f"diloco-sync-{cfg.run.name}-{region.name}",
+                                   "num_cpus": cfg.outer.sync_actor_cpus}
         selector = region_placement(region)
         if selector:
             options["label_selector"] = selector
@@ -108,16 +89,6 @@ def start_sync_actors(cfg: ExperimentConfig, record_rounds: bool = False, evalua
         actors.append(actor)
     ray.get([a.outer_step.remote() for a in actors])  # surface start-up errors here
     return actors
-
-
-def training_groups(cfg: ExperimentConfig) -> list[RegionConfig]:
-    """The Ray Train groups of a mode: one per region (diloco), one over all workers (ddp), one worker."""
-    if cfg.run.mode == "diloco":
-        return list(cfg.regions)
-    template = cfg.regions[0]
-    if cfg.run.mode == "ddp":
-        return [dataclasses.replace(template, name="ddp", workers=sum(r.workers for r in cfg.regions))]
-    return [dataclasses.replace(template, name="single", workers=1)]
 
 
 def deterministic_ingest() -> DataConfig:
@@ -165,36 +136,64 @@ def data_parallel_bytes(num_params: int, workers: int, steps: int) -> int:
 
 
 def run_training(cfg: ExperimentConfig, address: str | None = None,
-                 before_shutdown: Callable[[list[Any]], None] | None = None) -> dict[str, Any]:
+                 before_shutdown: Callable[[list[Any]], None] | None = None,
+                 prepared: PreparedRun | None = None) -> dict[str, Any]:
     """Train `cfg` in its mode (diloco, ddp or single); returns (and writes) the summary.
 
-    `before_shutdown(actors)` sees the SyncActors after training (tests read recorded rounds there;
-    passing it makes the actors record every round's θ_region)."""
+    Every input is checked before Ray starts (`prepared`: the CLI checks before importing this module), and
+    the cluster's resources before any actor starts. `before_shutdown(actors)` sees the SyncActors after
+    training (tests read recorded rounds there; passing it makes the actors record every round's θ_region)."""
     started = time.perf_counter()
-    ensure_ray(address, cfg)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    cfg = resolve_vocab(cfg, tokenizer)
-    # Absolute paths before the config reaches actors: their working directories differ from ours.
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(
-        cfg.run, output_dir=str(Path(cfg.run.output_dir).resolve()), checkpoint_path=cfg.run.checkpoint_root()))
-    out_dir = Path(cfg.run.output_dir) / cfg.run.name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(cfg.to_yaml())
     groups = training_groups(cfg)
+    prepared = prepared or prepare_run(cfg, groups)
+    cfg, out_dir = prepared.cfg, prepared.out_dir
+    connect_ray(address, cfg, groups)
+    check_cluster(cfg, groups)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"config{prepared.suffix}.yaml").write_text(cfg.to_yaml())
+    print(f"[driver] run {cfg.run.name}: results in {out_dir}, checkpoints in {cfg.run.checkpoint_root()}",
+          flush=True)
 
-    windows = load_eval_windows(cfg.data, tokenizer)
+    windows = load_eval_windows(cfg.data, prepared.tokenizer)
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
     num_params = count_parameters(model)
     eval_start, _ = evaluate_state(cfg, model, None, windows)
     print(f"[driver] mode {cfg.run.mode}: {len(groups)} group(s) {[(g.name, g.workers) for g in groups]}, "
           f"{num_params:,} parameters; held-out loss at start {eval_start:.4f}", flush=True)
+    outcome = train_groups(cfg, groups, prepared.resume, windows, num_params, before_shutdown)
 
+    eval_loss, eval_ppl = evaluate_state(cfg, model, outcome.final_state, windows)
+    save_model(model, outcome.final_state, out_dir / "model", prepared.tokenizer)
+    summary = build_summary(cfg, groups, outcome, eval_start, eval_loss, eval_ppl,
+                            time.perf_counter() - started, num_params)
+    summary_file = out_dir / f"summary{prepared.suffix}.json"
+    summary_file.write_text(json.dumps(summary, indent=2))
+    print(f"[driver] held-out loss {eval_start:.4f} -> {eval_loss:.4f} (perplexity {eval_ppl:.1f}); "
+          f"global model identical across regions: {summary['regions_agree']}; summary: {summary_file}",
+          flush=True)
+    return summary
+
+
+@dataclass
+class TrainingOutcome:
+    stats: list[dict]  # per finished group: tokens, bytes, rounds, digest, events
+    worker_results: list[dict]  # rank 0's return value per finished group
+    finished: list[int]  # indices into the groups
+    final_state: dict[str, torch.Tensor]
+    curve: list[dict]
+    data_counts: dict[str, int]
+
+
+def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict[str, int | None], windows,
+                 num_params: int, before_shutdown: Callable[[list[Any]], None] | None) -> TrainingOutcome:
+    """Start the run-scoped actors and one Ray Train group per region (or baseline group), wait for them."""
     # Progress bars of Ray Data interleave with the status lines; per-step lines say more.
     ray.data.DataContext.get_current().enable_progress_bars = False
     counters = DataCounters.remote()
     datasets = build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
-    evaluator = Evaluator.remote(cfg.to_dict(), windows) if cfg.run.eval_every else None
-    actors = start_sync_actors(cfg, record_rounds=before_shutdown is not None, evaluator=evaluator) \
+    evaluator = Evaluator.options(num_cpus=EVALUATOR_CPUS).remote(cfg.to_dict(), windows) \
+        if cfg.run.eval_every else None
+    actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator) \
         if cfg.run.mode == "diloco" else [None] * len(groups)
     try:
         trainers = [make_trainer(cfg, group, actor, evaluator, dataset)
@@ -212,7 +211,7 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
                       for i in range(len(groups)) if i not in finished]
         for departure in departures:
             logger.warning("region %s left the run: %s", departure["region"], departure["error"])
-        results = [outcomes[i][0] for i in finished]
+        worker_results = [outcomes[i][0].return_value for i in finished]
         if cfg.run.mode == "diloco":
             stats = ray.get([actors[i].stats.remote() for i in finished])
             stats[0].setdefault("events", []).extend(departures)
@@ -220,13 +219,7 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
             if before_shutdown is not None:
                 before_shutdown(actors)
         else:
-            final = results[0].return_value
-            final_state = {name: torch.tensor(a) for name, a in final.pop("final_state").items()}
-            steps = cfg.total_inner_steps
-            stats = [{"region": group.name, "tokens": final["tokens_per_worker"] * group.workers,
-                      "bytes_sent": data_parallel_bytes(num_params, group.workers, steps),
-                      "bytes_received": data_parallel_bytes(num_params, group.workers, steps),
-                      "sync_seconds": 0.0, "rounds": [], "digest": state_digest(final_state)}]
+            final_state, stats = baseline_outcome(cfg, groups[0], worker_results[0], num_params)
         curve = ray.get(evaluator.get_curve.remote()) if evaluator else []
         data_counts = ray.get(counters.get.remote())
     finally:
@@ -236,29 +229,19 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
         for helper in (evaluator, counters):  # run-scoped actors: a second run in this process starts anew
             if helper is not None:
                 ray.kill(helper)
+    return TrainingOutcome(stats, worker_results, finished, final_state, curve, data_counts)
 
-    eval_loss, eval_ppl = evaluate_state(cfg, model, final_state, windows)
-    save_model(model, final_state, out_dir / "model", tokenizer)
-    wall = time.perf_counter() - started
-    summary = build_summary(cfg, groups, stats, eval_start, eval_loss, eval_ppl, data_counts, wall)
-    worker_results = [r.return_value for r in results]
-    summary["tokens_per_second_per_worker"] = round(
-        sum(w["tokens_per_worker"] / w["train_seconds"] for w in worker_results) / len(worker_results), 1)
-    # The median inner step: throughput once streaming runs, without the wait for the first batch.
-    summary["median_step_tokens_per_second_per_worker"] = round(
-        sum(w["median_step_tokens_per_second"] for w in worker_results) / len(worker_results), 1)
-    summary["compute_utilization"] = round(
-        sum(1 - (w["sync_wait_seconds"] + w["checkpoint_seconds"]) / w["train_seconds"] for w in worker_results)
-        / len(worker_results), 4)
-    summary["eval_curve"] = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *curve]
-    summary["parameters"] = num_params
-    # What each group trained on: equal for two runs that saw the same windows (see batches.py).
-    summary["data_fingerprint"] = {groups[i].name: results[k].return_value["data"] for k, i in enumerate(finished)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"[driver] held-out loss {eval_start:.4f} -> {eval_loss:.4f} (perplexity {eval_ppl:.1f}); "
-          f"global model identical across regions: {summary['regions_agree']}; "
-          f"summary: {out_dir / 'summary.json'}", flush=True)
-    return summary
+
+def baseline_outcome(cfg: ExperimentConfig, group: RegionConfig, rank0: dict,
+                     num_params: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """θ and the per-group stats of a ddp or single run (one group, no outer step): rank 0 returned the model."""
+    final_state = {name: torch.tensor(a) for name, a in rank0.pop("final_state").items()}
+    steps = cfg.total_inner_steps
+    sent = data_parallel_bytes(num_params, group.workers, steps)
+    stats = [{"region": group.name, "tokens": rank0["tokens_per_worker"] * group.workers,
+              "bytes_sent": sent, "bytes_received": sent, "sync_seconds": 0.0, "rounds": [],
+              "digest": state_digest(final_state)}]
+    return final_state, stats
 
 
 def _fit(trainer: TorchTrainer) -> tuple[Any, BaseException | None]:
@@ -278,9 +261,10 @@ def _stop_sync_actor(actor: Any) -> None:
     ray.kill(actor)
 
 
-def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], stats: list[dict], eval_start: float,
-                  eval_loss: float, eval_ppl: float, data_counts: dict, wall: float) -> dict[str, Any]:
-    tokens = sum(s["tokens"] for s in stats)
+def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: TrainingOutcome, eval_start: float,
+                  eval_loss: float, eval_ppl: float, wall: float, num_params: int) -> dict[str, Any]:
+    stats, workers = outcome.stats, outcome.worker_results
+    mean = lambda values: sum(values) / len(values)  # noqa: E731  (over the finished groups' rank 0)
     return {
         "mode": cfg.run.mode,
         "run": cfg.run.name,
@@ -288,7 +272,7 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], stats: list
         "inner_steps": cfg.outer.inner_steps,
         "outer_steps": cfg.run.outer_steps,
         "compression": cfg.outer.compression if cfg.run.mode == "diloco" else "none",
-        "tokens": tokens,
+        "tokens": sum(s["tokens"] for s in stats),
         "eval_loss_at_start": eval_start,
         "eval_loss": eval_loss,
         "eval_perplexity": eval_ppl,
@@ -298,10 +282,20 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], stats: list
         else "computed from collective sizes (one fp32 ring all-reduce of gradients per step)",
         "sync_seconds": {s["region"]: round(s["sync_seconds"], 3) for s in stats},
         "wall_seconds": round(wall, 2),
-        "skipped_records": data_counts["skipped"],
-        "dropped_tail_tokens": data_counts["tail_dropped"],
+        "tokens_per_second_per_worker": round(mean([w["tokens_per_worker"] / w["train_seconds"] for w in workers]), 1),
+        # The median inner step: throughput once streaming runs, without the wait for the first batch.
+        "median_step_tokens_per_second_per_worker": round(mean([w["median_step_tokens_per_second"]
+                                                                 for w in workers]), 1),
+        "compute_utilization": round(mean([1 - (w["sync_wait_seconds"] + w["checkpoint_seconds"]) / w["train_seconds"]
+                                           for w in workers]), 4),
+        "skipped_records": outcome.data_counts["skipped"],
+        "dropped_tail_tokens": outcome.data_counts["tail_dropped"],
         "regions_agree": len({s["digest"] for s in stats}) == 1,
         "global_digest": {s["region"]: s["digest"] for s in stats},
         "rounds": {s["region"]: s["rounds"] for s in stats},
         "events": sorted((e for s in stats for e in s.get("events", [])), key=lambda e: e["time"]),
+        "eval_curve": [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *outcome.curve],
+        "parameters": num_params,
+        # What each group trained on: equal for two runs that saw the same windows (see batches.py).
+        "data_fingerprint": {groups[i].name: w["data"] for i, w in zip(outcome.finished, workers)},
     }

@@ -26,7 +26,7 @@ def tiny_cpu() -> ExperimentConfig:
         inner=InnerOptConfig(lr=3e-3, warmup_steps=10, weight_decay=0.1, grad_clip=1.0),
         outer=OuterConfig(inner_steps=15),
         regions=[RegionConfig(name="region-a"), RegionConfig(name="region-b")],
-        run=RunConfig(name="diloco-tiny", outer_steps=4),
+        run=RunConfig(outer_steps=4),
     )
 
 
@@ -53,7 +53,7 @@ def llama_150m() -> ExperimentConfig:
         outer=outer,
         regions=[RegionConfig(name=f"region-{i}", workers=8, cpus_per_worker=8, gpus_per_worker=1)
                  for i in range(2)],
-        run=RunConfig(name="diloco-150m", outer_steps=88),
+        run=RunConfig(outer_steps=88),
     )
 
 
@@ -67,7 +67,7 @@ def llama_1b() -> ExperimentConfig:
         outer=outer,
         regions=[RegionConfig(name=f"region-{i}", workers=8, cpus_per_worker=8, gpus_per_worker=1)
                  for i in range(4)],
-        run=RunConfig(name="diloco-1b", outer_steps=100),
+        run=RunConfig(outer_steps=100),
     )
 
 

@@ -66,7 +66,8 @@ def test_train_flags_reach_the_config():
     from ray_diloco.cli import build_parser, resolve_config
 
     args = build_parser().parse_args(["train", "--regions", "us,eu", "--checkpoint-every", "3", "--checkpoint-path",
-                                      "s3://bucket/ckpt", "--max-failures", "4", "--resume", "--outer-steps", "9"])
+                                      "s3://bucket/ckpt", "--max-failures", "4", "--resume", "--outer-steps", "9",
+                                      "--run-name", "again"])
     cfg = resolve_config(args)
     assert [r.name for r in cfg.regions] == ["us", "eu"]
     assert (cfg.run.checkpoint_every, cfg.run.checkpoint_path, cfg.run.max_failures, cfg.run.resume,

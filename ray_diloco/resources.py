@@ -1,0 +1,72 @@
+"""What a run asks of the Ray cluster, checked before any actor or worker group starts.
+
+Ray Train waits for resources that never come: on a cluster too small for the run, a worker group's start-up
+times out and is retried forever (the job stays RUNNING). So the driver adds up what the run needs and
+compares it with what the cluster has, or what its autoscaler can grow to, and stops at once with one line
+saying what is needed, what is there, and which flag changes it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
+
+EVALUATOR_CPUS = 0.5  # the held-out evaluator: a forward pass over a few windows every eval_every outer steps
+
+
+def run_needs(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, dict[str, float]]:
+    """Resource -> {what needs it: amount}, for the training groups of this driver."""
+    cpus = {f"{g.workers} worker(s) x {g.cpus_per_worker:g} CPU in {g.name}": g.workers * g.cpus_per_worker
+            for g in groups}
+    if cfg.run.mode == "diloco":
+        cpus[f"{len(groups)} SyncActor(s) x {cfg.outer.sync_actor_cpus:g} (outer.sync_actor_cpus)"] = \
+            len(groups) * cfg.outer.sync_actor_cpus
+    if cfg.run.eval_every:
+        cpus["the evaluator"] = EVALUATOR_CPUS
+    cpus["Ray Data tasks (data.read_num_cpus)"] = cfg.data.read_num_cpus
+    needs = {"CPU": cpus}
+    gpus = {f"{g.workers} worker(s) x {g.gpus_per_worker:g} GPU in {g.name}": g.workers * g.gpus_per_worker
+            for g in groups if g.gpus_per_worker}
+    if gpus:
+        needs["GPU"] = gpus
+    return needs
+
+
+def total(parts: dict[str, float]) -> float:
+    return sum(parts.values())
+
+
+def local_cpus_for(cfg: ExperimentConfig, groups: list[RegionConfig], cores: int) -> int:
+    """Logical CPUs of a private local Ray: every worker and actor gets a slot even on a 2-core machine
+    (they take turns on the cores; torch threads per worker are pinned)."""
+    return max(cores, math.ceil(total(run_needs(cfg, groups)["CPU"]) - 1e-9))
+
+
+def check_fits(needs: dict[str, dict[str, float]], have: dict[str, float],
+               ceiling: dict[str, float] | None) -> None:
+    """Raise ConfigError unless every resource the run needs is there now, or within the autoscaler's
+    maximum (`ceiling`, None when the cluster does not autoscale)."""
+    for resource, parts in needs.items():
+        need = total(parts)
+        limit = max(have.get(resource, 0.0), (ceiling or {}).get(resource, 0.0))
+        if need <= limit + 1e-9:
+            continue
+        scales = " and cannot autoscale beyond it" if ceiling is None else " at most, autoscaling included"
+        detail = ", ".join(f"{what} = {amount:g}" for what, amount in parts.items())
+        fix = ("start Ray with more (`ray start --head --num-cpus N`: logical CPUs may exceed the cores), or lower "
+               "--workers-per-region, regions[].cpus_per_worker or outer.sync_actor_cpus") if resource == "CPU" \
+            else "use nodes with GPUs, or set regions[].gpus_per_worker: 0 to train on CPUs"
+        raise ConfigError(f"the run needs {need:g} {resource} ({detail}) but the cluster has {limit:g}{scales}: "
+                          f"{fix}")
+
+
+def check_cluster(cfg: ExperimentConfig, groups: list[RegionConfig]) -> None:
+    """`check_fits` against the connected Ray cluster."""
+    import ray
+    from ray._private import state  # Ray Train 2.60 reads the autoscaler's maximum the same way
+
+    have: dict[str, Any] = ray.cluster_resources()
+    ceiling = state.state.get_max_resources_from_cluster_config()
+    check_fits(run_needs(cfg, groups), have, ceiling)

@@ -1,0 +1,167 @@
+"""What the driver settles before Ray starts: where the run's files go, that its inputs are usable, whether
+it continues an earlier run and from which outer step. Nothing is written here, and every problem is a
+one-line `ConfigError` naming the flag or file, so a bad input costs seconds, not a cluster start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, config_changes
+
+logger = logging.getLogger(__name__)
+
+# Ray sets this in the environment of a `ray job submit` driver, whose working directory is Ray's temporary,
+# per-upload copy of the working dir: relative output paths there would vanish with the session.
+RAY_JOB_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def training_groups(cfg: ExperimentConfig) -> list[RegionConfig]:
+    """The Ray Train groups of a mode: one per region (diloco), one over all workers (ddp), one worker."""
+    if cfg.run.mode == "diloco":
+        return list(cfg.regions)
+    template = cfg.regions[0]
+    if cfg.run.mode == "ddp":
+        return [dataclasses.replace(template, name="ddp", workers=sum(r.workers for r in cfg.regions))]
+    return [dataclasses.replace(template, name="single", workers=1)]
+
+
+def in_ray_job() -> bool:
+    return RAY_JOB_ENV_VAR in os.environ
+
+
+def resolve_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Absolute output and checkpoint paths (actors' working directories differ from ours): relative ones
+    resolve against the directory `ray-diloco` started in, or the home directory inside a Ray job."""
+    base = os.path.expanduser("~") if in_ray_job() else os.getcwd()
+
+    def absolute(path: str) -> str:
+        return path if "://" in path else os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+    run = dataclasses.replace(cfg.run, output_dir=absolute(cfg.run.output_dir))
+    if run.checkpoint_path:
+        run = dataclasses.replace(run, checkpoint_path=absolute(run.checkpoint_path))
+    if run.init_from:
+        run = dataclasses.replace(run, init_from=absolute(run.init_from))
+    return dataclasses.replace(cfg, run=run)
+
+
+def run_file_suffix(cfg: ExperimentConfig) -> str:
+    """'' for the driver of a whole run; '-<regions>' for one that joins a run started elsewhere (it was given
+    initial peers), so two drivers of one run write their own config and summary side by side."""
+    return "-" + "-".join(r.name for r in cfg.regions) if cfg.outer.initial_peers else ""
+
+
+def check_writable(directory: Path, flag: str) -> None:
+    """The nearest existing ancestor of `directory` must be a writable directory."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}: cannot write under {existing}; give a directory you can write to")
+
+
+def check_continuation(stored_yaml: str, cfg: ExperimentConfig, where: str) -> None:
+    """A run continued under its name must keep what its checkpoints and data positions depend on."""
+    try:
+        stored = ExperimentConfig.from_dict(yaml.safe_load(stored_yaml))
+    except (ConfigError, yaml.YAMLError) as error:
+        raise ConfigError(f"--run-name: {where} holds a config this version cannot read ({error}); "
+                          "choose another --run-name") from None
+    breaking, allowed = config_changes(stored, cfg)
+    if breaking:
+        raise ConfigError(f"--run-name {cfg.run.name}: {where} belongs to a run with another "
+                          f"{'; '.join(breaking)}: keep these to continue it, or choose another --run-name")
+    if allowed:
+        logger.warning("continuing run %s with changed settings: %s", cfg.run.name, "; ".join(allowed))
+
+
+def choose_resume_steps(committed: dict[str, list[int]]) -> dict[str, int | None]:
+    """The outer checkpoint each region resumes from. The run resumes at the newest step held by the most
+    regions (a stop can land between two regions' commits; a departed region holds only old steps). A region
+    resumes from its newest checkpoint not after that step; one that has none of it (it left the run early)
+    then catches up from its peers' state, as a joining region does. Pure: tested on its own."""
+    held = Counter(step for steps in committed.values() for step in set(steps))
+    if not held:
+        return {region: None for region in committed}
+    target = max(held, key=lambda step: (held[step], step))
+    return {region: max((s for s in steps if s <= target), default=None) for region, steps in committed.items()}
+
+
+def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
+    """Per region: the outer step it resumes from, or None for a fresh start. `--resume` insists on one."""
+    from ray_diloco.checkpoint import CONFIG_FILE, CheckpointStore, join
+
+    root = cfg.run.checkpoint_root()
+    stores = {r.name: CheckpointStore(join(root, r.name)) for r in cfg.regions}
+    plan = choose_resume_steps({name: store.steps() for name, store in stores.items()})
+    if all(step is None for step in plan.values()):
+        if cfg.run.resume:
+            raise ConfigError(f"--resume: no committed checkpoint of run {cfg.run.name} under {root}; was it "
+                              "started with --checkpoint-every, and with this --run-name and --checkpoint-path?")
+        return plan
+    region, step = next((r, s) for r, s in plan.items() if s is not None)
+    store = stores[region]
+    with store.fs.open_input_file(join(store.path, f"outer-{step:06d}", CONFIG_FILE)) as handle:
+        check_continuation(handle.read().decode(), cfg, join(store.location(step), CONFIG_FILE))
+    behind = [r for r, s in plan.items() if s is None or s < max(x for x in plan.values() if x is not None)]
+    if behind:
+        logger.warning("regions %s resume from older (or no) checkpoints and catch up from their peers", behind)
+    return plan
+
+
+def resolve_vocab(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
+    """Fix the model's vocabulary from the tokenizer once, so workers never load the tokenizer to size it."""
+    from ray_diloco.model import padded_vocab_size
+
+    try:
+        vocab = padded_vocab_size(cfg.model, len(tokenizer))
+    except ValueError as error:
+        raise ConfigError(f"model.vocab_size: {error}") from None
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+
+@dataclass
+class PreparedRun:
+    cfg: ExperimentConfig
+    tokenizer: Any
+    out_dir: Path
+    suffix: str  # run_file_suffix
+    resume: dict[str, int | None]
+
+
+def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRun:
+    """Every check that needs no cluster, in the order a user would fix them; writes nothing."""
+    from ray_diloco.data.preflight import check_data
+    from ray_diloco.tokenizer import load_tokenizer
+
+    if cfg.run.name is None:
+        raise ConfigError("run.name: give the run a name (--run-name)")
+    cfg = resolve_paths(cfg)
+    check_data(cfg.data, len(groups), cfg.run.seed)
+    if cfg.run.init_from and not Path(cfg.run.init_from, "config.json").is_file():
+        raise ConfigError(f"--init-from: {cfg.run.init_from} holds no config.json; give a run's model/ directory "
+                          "or the output of `ray-diloco export`")
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"data.tokenizer: {str(error).splitlines()[0]}") from None
+    cfg = resolve_vocab(cfg, tokenizer)
+    out_dir = Path(cfg.run.output_dir) / cfg.run.name
+    check_writable(out_dir, "--output-dir")
+    if "://" not in cfg.run.checkpoint_root():
+        check_writable(Path(cfg.run.checkpoint_root()), "--checkpoint-path")
+    suffix = run_file_suffix(cfg)
+    stored = out_dir / f"config{suffix}.yaml"
+    if stored.is_file():
+        check_continuation(stored.read_text(), cfg, str(stored))
+    resume = resume_plan(cfg) if cfg.run.mode == "diloco" else {r.name: None for r in cfg.regions}
+    return PreparedRun(cfg, tokenizer, out_dir, suffix, resume)

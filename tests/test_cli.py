@@ -1,0 +1,63 @@
+"""The command line does what the user asked: flags keep the preset's resources, zero values reach validation,
+bad YAML and bad list elements are one-line errors with exit code 2, runs get fresh names, and resuming needs one.
+"""
+
+import re
+
+import pytest
+
+from ray_diloco.cli import build_parser, main, resolve_config
+from ray_diloco.config import ConfigError, ExperimentConfig
+
+
+def resolved(*argv):
+    return resolve_config(build_parser().parse_args(["train", *argv]))
+
+
+def test_regions_flag_keeps_the_presets_per_worker_resources():
+    cfg = resolved("--preset", "150m", "--regions", "3")
+    assert [r.name for r in cfg.regions] == ["region-a", "region-b", "region-c"]
+    assert {(r.workers, r.cpus_per_worker, r.gpus_per_worker) for r in cfg.regions} == {(8, 8.0, 1.0)}
+    named = resolved("--preset", "150m", "--regions", "us,eu", "--workers-per-region", "2")
+    assert [(r.name, r.workers, r.gpus_per_worker) for r in named.regions] == [("us", 2, 1.0), ("eu", 2, 1.0)]
+
+
+@pytest.mark.parametrize("flag", ["--workers-per-region", "--inner-steps", "--outer-steps"])
+def test_zero_is_refused_naming_the_flag(flag):
+    with pytest.raises(ConfigError, match=f"^{flag}: must be >= 1, got 0"):
+        resolved(flag, "0")
+
+
+def test_zero_reaches_the_config_where_it_is_valid():
+    assert resolved("--eval-every", "0", "--checkpoint-every", "0").run.eval_every == 0
+    assert resolved("--max-failures", "0").run.max_failures == 0  # default 1: 0 must not be ignored
+
+
+def test_malformed_yaml_is_one_line_with_file_line_column_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("outer:\n  inner_steps: 5\n  compression: [fp16\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert re.search(rf"--config: {re.escape(str(bad))}:\d+:\d+: invalid YAML", err), err
+
+
+def test_list_elements_are_type_checked():
+    with pytest.raises(ConfigError, match=r"^outer.initial_peers\[0\]: expected str, got 1"):
+        ExperimentConfig.from_yaml("outer: {initial_peers: [1, 2]}")
+    assert ExperimentConfig.from_yaml("outer: {initial_peers: ['/ip4/1.2.3.4/tcp/1']}").outer.initial_peers
+
+
+def test_runs_without_a_name_get_a_fresh_one_and_resume_needs_a_name():
+    first, second = resolved().run.name, resolved().run.name
+    assert first != second and first.startswith("tiny-cpu-") and second.startswith("tiny-cpu-")
+    assert resolved("--preset", "150m").run.name.startswith("150m-")
+    assert resolved("--run-name", "mine").run.name == "mine"
+    with pytest.raises(ConfigError, match="^--resume: name the run"):
+        resolved("--resume")
+
+
+def test_config_command_prints_yaml_that_reads_back(capsys):
+    assert main(["config", "--preset", "150m"]) == 0
+    again = ExperimentConfig.from_yaml(capsys.readouterr().out)
+    assert again.regions[0].gpus_per_worker == 1.0

@@ -1,0 +1,97 @@
+"""Before Ray starts: which checkpoint each region resumes from (departed regions included), which config
+changes a continued run refuses, and the resource check that replaces a hang with one line."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
+from ray_diloco.config import ConfigError, config_changes
+from ray_diloco.presets import tiny_cpu
+from ray_diloco.resources import check_fits, run_needs
+from ray_diloco.run_setup import choose_resume_steps, resume_plan, training_groups
+
+
+def test_a_region_that_departed_early_does_not_hold_the_others_back():
+    # Each store keeps two checkpoints: r2 left at step 2 while r0 and r1 reached 10 (r1 stopped before 10).
+    assert choose_resume_steps({"r0": [9, 10], "r1": [8, 9], "r2": [1, 2]}) == {"r0": 9, "r1": 9, "r2": 2}
+    assert choose_resume_steps({"r0": [9, 10], "r1": [9, 10], "r2": [1, 2]}) == {"r0": 10, "r1": 10, "r2": 2}
+    assert choose_resume_steps({"r0": [], "r1": []}) == {"r0": None, "r1": None}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]),
+                       st.lists(st.integers(0, 12), max_size=3, unique=True), min_size=1))
+def test_resume_steps_properties(committed):
+    plan = choose_resume_steps(committed)
+    assert set(plan) == set(committed)
+    chosen = [s for s in plan.values() if s is not None]
+    for region, step in plan.items():
+        assert step is None or step in committed[region]  # only a checkpoint the region really has
+    if chosen:
+        target = max(chosen)
+        holders = [r for r, steps in committed.items() if target in steps]
+        assert all(plan[r] == target for r in holders)  # every holder of the target resumes exactly there
+        # no other step is held by more regions
+        counts = {s: sum(s in steps for steps in committed.values()) for steps in committed.values() for s in steps}
+        assert len(holders) == max(counts.values())
+
+
+def save_steps(cfg, region, steps):
+    store = CheckpointStore(join(cfg.run.checkpoint_root(), region))
+    for step in steps:
+        store.save(OuterCheckpoint(outer_step=step, theta={"w": torch.zeros(2)}, momentum={},
+                                   config_yaml=cfg.to_yaml()))
+
+
+def small(tmp_path, **run):
+    cfg = tiny_cpu()
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name="r", output_dir=str(tmp_path), **run))
+
+
+def test_resume_plan_reads_the_stores_and_refuses_a_breaking_change(tmp_path):
+    cfg = small(tmp_path)
+    assert resume_plan(cfg) == {"region-a": None, "region-b": None}
+    with pytest.raises(ConfigError, match="^--resume: no committed checkpoint"):
+        resume_plan(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True)))
+    save_steps(cfg, "region-a", [1, 2, 9, 10])  # keeps 9 and 10
+    save_steps(cfg, "region-b", [1, 2])  # departed at 2
+    assert resume_plan(cfg) == {"region-a": 10, "region-b": 2}
+    longer = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, outer_steps=20, eval_every=3))
+    assert resume_plan(longer) == {"region-a": 10, "region-b": 2}  # allowed changes
+    wider = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=64),
+                                model=dataclasses.replace(cfg.model, num_layers=3))
+    with pytest.raises(ConfigError) as error:
+        resume_plan(wider)
+    message = str(error.value)
+    assert "data.seq_len: 128 -> 64" in message and "model.num_layers: 2 -> 3" in message
+    assert "\n" not in message
+
+
+def test_config_changes_split_breaking_from_allowed():
+    base = tiny_cpu()
+    changed = dataclasses.replace(
+        base, regions=[dataclasses.replace(r, workers=2, cpus_per_worker=2) for r in base.regions],
+        run=dataclasses.replace(base.run, outer_steps=9, mode="ddp"),
+        inner=dataclasses.replace(base.inner, lr=1e-4))
+    breaking, allowed = config_changes(base, changed)
+    assert [b.split(":")[0] for b in breaking] == ["regions", "run.mode"]
+    assert [a.split(":")[0] for a in allowed] == ["inner.lr", "region_resources", "run.outer_steps"]
+
+
+def test_resources_that_do_not_fit_are_one_line_naming_the_fix():
+    cfg = tiny_cpu()  # 2 regions x 1 worker x 1 CPU + 2 SyncActors x 0.5 + data tasks 0.25
+    needs = run_needs(cfg, training_groups(cfg))
+    with pytest.raises(ConfigError) as error:
+        check_fits(needs, {"CPU": 2.0}, None)
+    message = str(error.value)
+    assert message.startswith("the run needs 3.25 CPU") and "cluster has 2" in message
+    assert "--num-cpus" in message and "outer.sync_actor_cpus" in message and "\n" not in message
+    check_fits(needs, {"CPU": 4.0}, None)
+    check_fits(needs, {"CPU": 2.0}, {"CPU": 16})  # an autoscaler can add nodes
+    gpu = dataclasses.replace(cfg, regions=[dataclasses.replace(r, gpus_per_worker=1) for r in cfg.regions])
+    with pytest.raises(ConfigError, match="^the run needs 2 GPU"):
+        check_fits(run_needs(gpu, training_groups(gpu)), {"CPU": 64.0}, None)
