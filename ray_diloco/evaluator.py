@@ -11,7 +11,7 @@ import torch
 
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.eval_set import evaluate_loss
-from ray_diloco.model import build_model
+from ray_diloco.model import build_model, load_parameters
 
 
 class EvaluatorImpl:
@@ -28,7 +28,7 @@ class EvaluatorImpl:
 
     def evaluate(self, outer_step: int, state: dict[str, torch.Tensor]) -> dict:
         """Held-out loss of `state` after `outer_step` outer steps (or H-step blocks in ddp/single)."""
-        self.model.load_state_dict(state, strict=False)
+        load_parameters(self.model, state)
         loss, perplexity = evaluate_loss(self.model, self.windows, self.cfg.data.batch_size)
         point = {"outer_step": outer_step, "tokens_per_worker": self.tokens_per_worker(outer_step),
                  "eval_loss": loss, "eval_perplexity": perplexity}

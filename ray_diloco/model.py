@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -62,6 +63,46 @@ def parameter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
 
+def load_parameters(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy `state` (named as `parameter_state` names it) into the model's parameters.
+
+    The names must be exactly the model's `named_parameters` (a tied embedding once, so no
+    `lm_head.weight` when tied) and the shapes must match: `load_state_dict(strict=False)` would skip a
+    misnamed tensor silently and leave the model's own weights in its place. Nothing is copied on error.
+    """
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(f"state does not match the model's parameters: missing {_few(missing)}, unexpected "
+                         f"{_few(unexpected)}; give parameter_state() of a model built from the same model config "
+                         "(tie_embeddings decides whether lm_head.weight is listed)")
+    wrong = [f"{name} {tuple(state[name].shape)} (model {tuple(p.shape)})"
+             for name, p in params.items() if state[name].shape != p.shape]
+    if wrong:
+        raise ValueError(f"state has the wrong shape for {_few(wrong)}: it comes from a different model config")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[name])
+
+
+def _few(names: list[str], shown: int = 5) -> str:
+    """A short list for an error message: the first few names and how many more."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    """EOS, BOS and PAD ids as the tokenizer defines them, for the model and generation configs.
+
+    PAD falls back to EOS when the tokenizer has none (GPT-2, Llama), so `generate` has a pad id.
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return {"eos_token_id": eos, "bos_token_id": tokenizer.bos_token_id, "pad_token_id": pad}
+
+
 def load_saved_model(directory: str, expected: LlamaConfig) -> LlamaForCausalLM:
     """A model saved with `save_pretrained`; its shape must match the configured one."""
     path = Path(directory)
@@ -79,9 +120,15 @@ def load_saved_model(directory: str, expected: LlamaConfig) -> LlamaForCausalLM:
     return model
 
 
-def save_model(model: LlamaForCausalLM, state: dict[str, torch.Tensor], directory: Path, tokenizer=None) -> None:
-    """Write θ as a Hugging Face model directory (and the tokenizer, so it loads with Auto* classes)."""
-    model.load_state_dict(state, strict=False)
+def save_model(model: LlamaForCausalLM, state: dict[str, torch.Tensor], directory: Path, tokenizer) -> None:
+    """Write θ as a Hugging Face model directory with its tokenizer, so it loads with the Auto* classes.
+
+    The special-token ids come from the tokenizer: LlamaConfig's defaults (BOS 1, EOS 2) are Llama's own
+    vocabulary, and with GPT-2's they would make `generate` stop on '#' (id 2).
+    """
+    load_parameters(model, state)
+    for key, value in special_token_ids(tokenizer).items():
+        setattr(model.config, key, value)
+        setattr(model.generation_config, key, value)
     model.save_pretrained(str(directory))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))

@@ -24,10 +24,6 @@ def shard_rows(num_rows: int, world_size: int, rank: int) -> RowRange:
     return start, min(start + chunk, num_rows)
 
 
-def layout_of(full_shapes: Mapping[str, torch.Size], world_size: int, rank: int) -> dict[str, RowRange]:
-    return {name: shard_rows(shape[0], world_size, rank) for name, shape in full_shapes.items()}
-
-
 def assemble(shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
              full_shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Concatenate every rank's dim-0 shard into full fp32 tensors; checks that the rows add up."""

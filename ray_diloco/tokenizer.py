@@ -21,7 +21,7 @@ def bundled_tokenizer_dir() -> Path:
 def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerFast:
     """Load a fast tokenizer.
 
-    None: the bundled GPT-2 byte-level BPE (50,257 tokens, EOS `<|endoftext|>` = 50256), built
+    None: the bundled GPT-2 byte-level BPE (50,257 tokens; `<|endoftext|>` = 50256 is EOS, BOS and PAD), built
     without any network access. A string: `AutoTokenizer.from_pretrained` (a local directory works
     offline; a hub name needs the network or a warm Hugging Face cache).
     """
@@ -57,9 +57,12 @@ def _bundled_gpt2() -> PreTrainedTokenizerFast:
     # Built from the `tokenizers` object on purpose: in transformers 5,
     # GPT2TokenizerFast(vocab_file=..., merges_file=...) loads without error but encodes every
     # text to an EMPTY id list. clean_up_tokenization_spaces=False keeps decode(encode(t)) == t.
+    # GPT-2 has one special token, <|endoftext|>, for BOS and EOS alike; declared as PAD too so that
+    # batched encoding and `generate` of an exported model have one (the model config says the same).
     backend = ByteLevelBPETokenizer(str(vocab), str(merges))
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=GPT2_EOS, clean_up_tokenization_spaces=False
+        tokenizer_object=backend, eos_token=GPT2_EOS, bos_token=GPT2_EOS, pad_token=GPT2_EOS,
+        clean_up_tokenization_spaces=False,
     )
 
 

@@ -22,8 +22,8 @@ def test_assemble_then_split_round_trips_and_rejects_missing_rows():
     shards = {r: rows_for_rank(full, 3, r) for r in range(3)}
     assert shards[2]["b"].shape == (0,)
     again = assemble(shards, shapes)
-    for name in full:
-        assert torch.equal(again[name], full[name])
+    for name, tensor in full.items():
+        assert torch.equal(again[name], tensor)
     shards[1]["w"] = shards[1]["w"][:1]
     with pytest.raises(ValueError, match="assemble to"):
         assemble(shards, shapes)

@@ -1,4 +1,4 @@
-"""Tokenizer: the bundled GPT-2 BPE encodes real C4 text losslessly, with EOS 50256; tokenizers
+"""Tokenizer: the bundled GPT-2 BPE encodes real C4 text losslessly, with EOS = BOS = PAD = 50256; tokenizers
 loaded from a directory agree with it; broken tokenizers (no ids, no EOS) are refused loudly."""
 
 import gzip
@@ -26,7 +26,11 @@ def test_default_tokenizer_is_gpt2(tok):
     assert isinstance(tok, PreTrainedTokenizerFast)
     assert tok.eos_token == "<|endoftext|>"
     assert tok.eos_token_id == 50256
+    # GPT-2's one special token is BOS and (here) PAD too: an exported model's config takes these ids.
+    assert tok.bos_token_id == tok.pad_token_id == 50256
     assert len(tok) == 50257
+    # Declaring BOS adds nothing when encoding: the byte-level backend has no post-processor.
+    assert tok("hello world")["input_ids"] == [31373, 995]
     # Reference GPT-2 ids: proves the merges are applied (byte-level alone would give 11 ids).
     assert encode_documents(tok, ["hello world"]) == [[31373, 995]]
 
@@ -51,7 +55,7 @@ def test_batch_encoding_matches_one_by_one(tok, c4_texts):
 def test_local_directory_loads_the_same_tokenizer(tok, c4_texts, tmp_path):
     tok.save_pretrained(tmp_path)
     loaded = load_tokenizer(str(tmp_path))
-    assert loaded.eos_token_id == tok.eos_token_id
+    assert (loaded.eos_token_id, loaded.bos_token_id, loaded.pad_token_id) == (50256, 50256, 50256)
     assert encode_documents(loaded, c4_texts) == encode_documents(tok, c4_texts)
 
 
