@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-COLUMN = "input_ids"
+from ray_diloco.data.pipeline import COLUMN
+
 _MOD = 1 << 64
 
 
@@ -39,11 +40,13 @@ def combine_progress(progress: list[dict[str, Any]]) -> dict[str, Any]:
 class WorkerBatches:
     """`next()` gives the next batch of token windows as a long tensor on `device`; a new epoch starts
     when the shard is used up. `progress()` is what a checkpoint stores; `WorkerBatches(..., progress=p)`
-    continues right after it."""
+    continues right after it. `counters` (a `DataCounters` handle, optional) only feeds the skipped-record
+    count into the error raised when the shard has no batch at all."""
 
     def __init__(self, shard, batch_size: int, device: torch.device, world_size: int,
-                 progress: dict[str, Any] | None = None):
+                 progress: dict[str, Any] | None = None, counters: Any = None):
         self.shard, self.batch_size, self.device, self.world_size = shard, batch_size, device, world_size
+        self.counters = counters
         self.epoch = self.batches = self.epoch_batches = self.windows = self.fingerprint = 0
         self._iter = self._new_epoch()
         if progress:
@@ -62,16 +65,33 @@ class WorkerBatches:
         return iter(self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=True))
 
     def _next_array(self) -> np.ndarray:
-        try:
-            batch = next(self._iter)
-        except StopIteration:
+        batch = next(self._iter, None)
+        if batch is None and self.epoch_batches > 0:  # the epoch is used up: start the next one
             self.epoch += 1
             self.epoch_batches = 0
             self._iter = self._new_epoch()
-            batch = next(self._iter)
+            batch = next(self._iter, None)
+        if batch is None:  # a whole epoch without a batch: every later one is empty too
+            raise self._no_batch_error()
         self.batches += 1
         self.epoch_batches += 1
         return batch[COLUMN]
+
+    def _no_batch_error(self) -> RuntimeError:
+        # A bare StopIteration here used to surface only after Ray Train restarted the worker group.
+        skipped = ""
+        if self.counters is not None:
+            import ray
+
+            try:
+                count = ray.get(self.counters.get.remote(), timeout=10)["skipped"]
+                skipped = f" ({count} record(s) skipped so far in this run's data)"
+            except Exception as error:  # the count is a hint; the error below must still be raised
+                skipped = f" (skipped-record count unavailable: {error!r})"
+        return RuntimeError(
+            f"no training windows in this worker's data: the epoch yielded no batch of {self.batch_size} "
+            "windows; check data.path and the skipped-record count (records without a string 'text' are "
+            f"skipped){skipped}")
 
     def next(self) -> torch.Tensor:
         windows = self._next_array()

@@ -1,5 +1,6 @@
-"""A worker's batch stream: a resumed stream continues with exactly the next window, and the fingerprint
-tells two streams apart when one saw a window twice or skipped one."""
+"""A worker's batch stream: a resumed stream continues with exactly the next window, the fingerprint
+tells two streams apart when one saw a window twice or skipped one, and a shard with no batch at all
+fails with an error that says why (not a bare StopIteration)."""
 
 import gc
 
@@ -31,7 +32,7 @@ def test_combine_progress_adds_windows_and_hashes():
 
 @pytest.fixture(scope="module")
 def ray_for_data():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # never join another run's cluster
     yield
     ray.shutdown()
 
@@ -56,3 +57,27 @@ def test_a_resumed_stream_goes_on_with_the_next_window_across_epochs(ray_for_dat
         WorkerBatches(ds, batch_size=3, device="cpu", world_size=2, progress=stopped.progress())
     del straight, stopped, resumed  # close the streams while Ray is still up
     gc.collect()
+
+
+class EmptyShard:
+    """A dataset shard whose every epoch yields nothing (all records skipped, or fewer windows than a batch)."""
+
+    def iter_batches(self, **kwargs):
+        return iter([])
+
+
+def test_an_empty_shard_fails_with_a_clear_error():
+    batches = WorkerBatches(EmptyShard(), batch_size=3, device="cpu", world_size=1)
+    with pytest.raises(RuntimeError, match=r"no training windows .* no batch of 3 windows; check data.path"):
+        batches.next()
+
+
+def test_the_empty_shard_error_gives_the_skipped_count(ray_for_data):
+    from ray_diloco.data.pipeline import DataCounters
+
+    counters = DataCounters.remote()
+    ray.get(counters.add.remote(b"batch", 7, 0, 0, 0))
+    batches = WorkerBatches(EmptyShard(), batch_size=3, device="cpu", world_size=1, counters=counters)
+    with pytest.raises(RuntimeError, match="7 record"):
+        batches.next()
+    ray.kill(counters)

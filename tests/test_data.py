@@ -58,7 +58,8 @@ def tok():
 def ray_local():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # address="local": a cluster of our own, even while another process's cluster runs here
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     ctx = ray.data.DataContext.get_current()
     progress, ctx.enable_progress_bars = ctx.enable_progress_bars, False
     yield

@@ -27,7 +27,7 @@ from ray_diloco.tokenizer import encode_documents, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-COLUMN = "input_ids"
+COLUMN = "input_ids"  # the one column of a region's dataset; WorkerBatches reads it
 
 
 _COUNTS = ("skipped", "docs", "tokens", "tail_dropped")
