@@ -26,7 +26,7 @@ from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets
 from ray_diloco.evaluator import Evaluator
-from ray_diloco.model import build_model, count_parameters, save_model
+from ray_diloco.model import build_model, count_parameters, load_parameters, save_model
 from ray_diloco.outer import state_digest
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, local_cpus_for
 from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
@@ -99,7 +99,7 @@ def deterministic_ingest() -> DataConfig:
 
 
 def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluator: Any,
-                 dataset: Any) -> TorchTrainer:
+                 dataset: Any, counters: Any) -> TorchTrainer:
     selector = region_placement(group)
     resources = {"CPU": group.cpus_per_worker}
     if group.gpus_per_worker:
@@ -108,7 +108,8 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluat
     return TorchTrainer(
         region_train_loop,
         train_loop_config={"experiment": cfg.to_dict(), "region": group.name, "sync_actor": actor,
-                           "evaluator": evaluator, "threads_per_worker": max(1, int(group.cpus_per_worker)),
+                           "evaluator": evaluator, "data_counters": counters,
+                           "threads_per_worker": max(1, int(group.cpus_per_worker)),
                            "worker_checkpoints": join(cfg.run.checkpoint_root(), experiment)},
         scaling_config=ScalingConfig(num_workers=group.workers, use_gpu=group.gpus_per_worker > 0,
                                      resources_per_worker=resources, label_selector=selector),
@@ -123,7 +124,7 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluat
 
 def evaluate_state(cfg: ExperimentConfig, model, state: dict | None, windows) -> tuple[float, float]:
     if state is not None:
-        model.load_state_dict(state, strict=False)
+        load_parameters(model, state)
     return evaluate_loss(model, windows, cfg.data.batch_size)
 
 
@@ -187,8 +188,9 @@ class TrainingOutcome:
 def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict[str, int | None], windows,
                  num_params: int, before_shutdown: Callable[[list[Any]], None] | None) -> TrainingOutcome:
     """Start the run-scoped actors and one Ray Train group per region (or baseline group), wait for them."""
-    # Progress bars of Ray Data interleave with the status lines; per-step lines say more.
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    # Progress bars and execution plans of Ray Data interleave with the status lines; per-step lines say more.
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = context.print_on_execution_start = False
     counters = DataCounters.remote()
     datasets = build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
     evaluator = Evaluator.options(num_cpus=EVALUATOR_CPUS).remote(cfg.to_dict(), windows) \
@@ -196,7 +198,7 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
     actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator) \
         if cfg.run.mode == "diloco" else [None] * len(groups)
     try:
-        trainers = [make_trainer(cfg, group, actor, evaluator, dataset)
+        trainers = [make_trainer(cfg, group, actor, evaluator, dataset, counters)
                     for group, actor, dataset in zip(groups, actors, datasets)]
         with ThreadPoolExecutor(max_workers=len(trainers)) as pool:
             # Each fit() blocks until its group finishes; regions meet only in their SyncActors.

@@ -194,7 +194,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname()))
         start_outer, progress = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
     batches = WorkerBatches(ray.train.get_dataset_shard("train"), cfg.data.batch_size, device, world_size,
-                            progress)
+                            progress, counters=loop_config.get("data_counters"))
 
     tokens_total, last_sync_seconds, sync_seconds_total, checkpoint_seconds = 0, 0.0, 0.0, 0.0
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits

@@ -14,7 +14,8 @@ from ray_diloco.presets import tiny_cpu
 @pytest.fixture(scope="module")
 def local_ray():
     # 8 logical CPUs on 2 cores: every worker and SyncActor gets a slot, they take turns on the cores.
-    ray.init(num_cpus=8, include_dashboard=False)
+    # address="local": our own cluster, even where `ray start` runs one on this machine.
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
     yield
     ray.shutdown()
 

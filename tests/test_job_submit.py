@@ -1,0 +1,138 @@
+"""`ray job submit` as the README runs it, on real local heads started with `ray start --head`:
+
+- a 2-region job on a head with 2 CPUs (it needs 3.25) fails within seconds with the resource message (it
+  used to hang forever waiting for workers that could never be placed);
+- `ray-diloco train` with a `ray start` cluster running starts a private Ray; `--address auto` attaches;
+- the README's job command (`ray start --head --num-cpus 4`, the 2-region job) runs, and a job submitted
+  again under the same run name after an edit to the working directory continues from the first job's
+  checkpoint (outputs go to a fixed storage path, not Ray's per-upload copy of the working directory).
+
+Each head is started with `--block` in its own process group and stopped by that group's id (never `ray stop`,
+which would stop every Ray on the machine).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Head:
+    """`ray start --head --block` on free ports; `env` points `ray job` and `ray.init` at it."""
+
+    def __init__(self, num_cpus: int, tmp: Path):
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": f"127.0.0.1:{self.port}",
+                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
+        self.log = open(tmp / f"head-{self.port}.log", "w")
+        self.process = subprocess.Popen(
+            [RAY, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={self.port}",
+             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        deadline = time.monotonic() + 90
+        while subprocess.run([RAY, "job", "list"], env=self.env, capture_output=True).returncode != 0:
+            assert self.process.poll() is None and time.monotonic() < deadline, "the head did not start"
+            time.sleep(2)
+
+    def submit(self, working_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        command = [RAY, "job", "submit", "--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml", "--",
+                   "python", "jobs/train.py", *args]
+        return subprocess.run(command, cwd=working_dir, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def stop(self):
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def repository_copy(tmp: Path) -> Path:
+    """The tracked files of this repository, as a user's clone would have them."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    copy = tmp / "clone"
+    for name in files.splitlines():
+        if (ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, copy / name)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def small_head(tmp_path_factory):
+    head = Head(2, tmp_path_factory.mktemp("head2"))
+    yield head
+    head.stop()
+
+
+def test_a_job_that_cannot_fit_fails_within_seconds_with_the_resource_message(small_head, tmp_path):
+    started = time.monotonic()
+    done = small_head.submit(ROOT, "--regions", "2", "--output-dir", str(tmp_path), timeout=180)
+    seconds = time.monotonic() - started
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "the run needs 3.25 CPU" in done.stdout and "cluster has 2" in done.stdout, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout, done.stdout[-3000:]
+    assert seconds < 90, seconds  # upload, job start-up and the check: no worker group ever waited
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def run_connect(env, address):
+    code = ("import ray; from ray_diloco.presets import tiny_cpu; from ray_diloco.run_setup import training_groups;"
+            "from ray_diloco.driver import connect_ray; cfg = tiny_cpu();"
+            f"connect_ray({address!r}, cfg, training_groups(cfg));"
+            "print('GCS', ray.get_runtime_context().gcs_address, ray.cluster_resources()['CPU'])")
+    env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_with_a_ray_start_cluster_running_train_starts_its_own_and_auto_attaches(small_head):
+    private = run_connect(small_head.env, None)
+    assert private.returncode == 0, private.stderr[-3000:]
+    assert "started a private local Ray" in private.stdout
+    gcs, cpus = private.stdout.split("GCS ")[1].split()
+    assert not gcs.endswith(f":{small_head.port}") and float(cpus) >= 4  # sized for the run, not the head
+    attached = run_connect(small_head.env, "auto")
+    assert attached.returncode == 0, attached.stderr[-3000:]
+    assert "attached to the Ray cluster" in attached.stdout
+    assert attached.stdout.split("GCS ")[1].split()[0].endswith(f":{small_head.port}")
+
+
+def test_readme_job_runs_and_a_resubmitted_job_continues_after_an_edit(tmp_path):
+    head = Head(4, tmp_path)  # the README: `ray start --head --num-cpus 4`
+    try:
+        clone, storage = repository_copy(tmp_path), tmp_path / "results"
+        flags = ["--regions", "2", "--inner-steps", "3", "--checkpoint-every", "1", "--run-name", "resubmit",
+                 "--output-dir", str(storage)]
+        first = head.submit(clone, *flags, "--outer-steps", "1")
+        assert first.returncode == 0, first.stdout[-4000:]
+        assert (storage / "resubmit" / "summary.json").is_file()
+        (clone / "ray_diloco" / "__init__.py").write_text(  # any edit: Ray uploads a new package
+            (clone / "ray_diloco" / "__init__.py").read_text() + "\n# edited between the two submits\n")
+        second = head.submit(clone, *flags, "--outer-steps", "2")
+        assert second.returncode == 0, second.stdout[-4000:]
+        assert "continuing run resubmit from outer steps {'region-a': 1, 'region-b': 1}" in second.stdout
+        summary = json.loads((storage / "resubmit" / "summary.json").read_text())
+        for region in ("region-a", "region-b"):
+            assert [r["outer_step"] for r in summary["rounds"][region]] == [1]  # only the new round ran
+        assert summary["regions_agree"]
+        assert [e["event"] for e in summary["events"]].count("resumed") == 2
+    finally:
+        head.stop()
