@@ -23,17 +23,13 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
+# The same resolution as the data files: a local path, or an s3:// gs:// file:// URI.
+from ray_diloco.data.files import resolve_filesystem
+
 _NAME = re.compile(r"^outer-(\d{6,})$")
 STATE_FILE = "outer_state.pt"
 CONFIG_FILE = "config.yaml"
 MARKER = "COMMITTED"
-
-
-def resolve_storage(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path on it) for a local path or an `s3://`, `gs://`, `file://` URI."""
-    if "://" in uri_or_path:
-        return pafs.FileSystem.from_uri(uri_or_path)
-    return pafs.LocalFileSystem(), os.path.abspath(uri_or_path)
 
 
 def join(base: str, *parts: str) -> str:
@@ -58,7 +54,7 @@ class CheckpointStore:
 
     def __init__(self, root: str, keep: int = 2):
         self.root = root
-        self.fs, self.path = resolve_storage(root)
+        self.fs, self.path = resolve_filesystem(root)
         self.keep = keep
         self._local = isinstance(self.fs, pafs.LocalFileSystem)
 
@@ -126,7 +122,7 @@ class CheckpointStore:
 
 def load_outer_checkpoint(location: str) -> OuterCheckpoint:
     """A committed `outer-NNNNNN` directory (local path or URI)."""
-    fs, path = resolve_storage(location)
+    fs, path = resolve_filesystem(location)
     if fs.get_file_info(join(path, MARKER)).type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{location}: not a committed outer checkpoint (no {MARKER} marker); give a "
                                 "directory outer-NNNNNN/ under <checkpoints>/<region>/")

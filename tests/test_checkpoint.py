@@ -49,6 +49,16 @@ def test_save_load_round_trip_and_pruning(tmp_path, as_uri):
         load_outer_checkpoint(str(tmp_path / "nothing"))
 
 
+def test_a_home_relative_root_resolves_like_a_data_path(tmp_path, monkeypatch):
+    # The store resolves its root with data.files.resolve_filesystem: "~" is the home directory (the
+    # checkpoint module's own resolver made it a directory named "~" under the working directory).
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    CheckpointStore("~/region").save(checkpoint(1, {"w": torch.zeros(2)}))
+    assert (tmp_path / "home" / "region" / "outer-000001" / MARKER).exists()
+    assert not (tmp_path / "~").exists()
+
+
 def test_a_directory_without_its_marker_is_not_a_checkpoint(tmp_path):
     store = CheckpointStore(str(tmp_path))
     store.save(checkpoint(1, {"w": torch.zeros(2)}))
@@ -76,25 +86,3 @@ def test_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     loaded = store.load()
     assert loaded.outer_step == 1 and torch.equal(loaded.theta["w"], theta["w"])
 
-
-def test_a_run_resumes_from_the_newest_step_every_region_committed(tmp_path):
-    import dataclasses
-
-    from ray_diloco.checkpoint import join
-    from ray_diloco.config import RegionConfig
-    from ray_diloco.driver import resume_step
-    from ray_diloco.presets import tiny_cpu
-
-    cfg = tiny_cpu()
-    cfg = dataclasses.replace(cfg, regions=[RegionConfig(name="r0"), RegionConfig(name="r1")],
-                              run=dataclasses.replace(cfg.run, name="run", output_dir=str(tmp_path)))
-    assert resume_step(cfg) is None  # nothing saved: a fresh run
-    strict = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
-    stores = {r: CheckpointStore(join(cfg.run.checkpoint_root(), r)) for r in ("r0", "r1")}
-    stores["r0"].save(checkpoint(1, {"w": torch.zeros(1)}))
-    assert resume_step(cfg) is None  # r1 has none: no lockstep point, start afresh
-    with pytest.raises(FileNotFoundError, match=r"no committed checkpoint for region\(s\) \['r1'\]"):
-        resume_step(strict)
-    stores["r0"].save(checkpoint(2, {"w": torch.zeros(1)}))
-    stores["r1"].save(checkpoint(1, {"w": torch.zeros(1)}))
-    assert resume_step(cfg) == resume_step(strict) == 1  # r1 was stopped before committing step 2
