@@ -13,7 +13,12 @@ import time
 import pytest
 import torch
 
-from ray_diloco.checkpoint import MARKER, CheckpointStore, OuterCheckpoint, load_outer_checkpoint
+from ray_diloco.checkpoint import (
+    MARKER,
+    CheckpointStore,
+    OuterCheckpoint,
+    load_outer_checkpoint,
+)
 
 WRITER = """
 import sys, torch

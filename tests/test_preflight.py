@@ -10,7 +10,12 @@ import sys
 import pytest
 
 from ray_diloco.config import ConfigError, DataConfig
-from ray_diloco.data.files import embedded_eval_path, embedded_train_dir, list_data_files, split_files_across_regions
+from ray_diloco.data.files import (
+    embedded_eval_path,
+    embedded_train_dir,
+    list_data_files,
+    split_files_across_regions,
+)
 from ray_diloco.data.preflight import check_data, first_lines
 
 
