@@ -3,11 +3,13 @@
 One `RegionAverager` per region (held by the region's SyncActor). It owns a hivemind DHT node (`.dht`,
 reusable by other hivemind features) and, for each round, runs one all-reduce of Δ weighted by tokens:
 
-* Wire: 'fp16' (clamped to ±65504), 'bf16' (2-byte buffers hivemind's NoCompression decodes) or 'none'
-  (fp32); accumulation is fp32. See `ray_diloco.hivemind_exact` for why every peer of the group ends
-  with the same bytes (reducers answer with the encoded absolute average, not a per-peer delta).
+* Wire: any codec of `ray_diloco.codecs` ('fp16' clamped to ±65504, 'scaled-fp16' with a power-of-two
+  scale per part, 'bf16' as 2-byte buffers hivemind's NoCompression decodes, 'none' fp32); accumulation is
+  fp32. A Δ with NaN/inf is refused before the round: nothing non-finite goes on the wire. See
+  `ray_diloco.hivemind_exact` for why every peer of the group ends with the same bytes (reducers answer
+  with the encoded absolute average, not a per-peer delta).
 * Round isolation: each round gets its own `ExactAverager` whose matchmaking prefix is
-  ``diloco_<run id>_<hash of run id>_r<round>``: two runs on one DHT never mix and a late region never
+  ``diloco_<safe_name(run id)>_r<round>``: two runs on one DHT never mix and a late region never
   averages with another round (it finds nobody and goes on alone). The averager (a forked child
   process) is started for the round and shut down after it. Measured on a 2-core CPU box (2 regions
   in one process, 10M params): start-up 0.08–0.25 s (up to 0.5 s under load), shutdown 0.02–0.1 s;
@@ -27,6 +29,7 @@ reusable by other hivemind features) and, for each round, runs one all-reduce of
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import re
@@ -37,12 +40,11 @@ from dataclasses import dataclass, field
 import torch
 from hivemind import DHT
 
-from ray_diloco.hivemind_exact import ExactAverager, make_wire_codec, roundtrip
+from ray_diloco.codecs import CODEC_NAMES, count_nonfinite, get_codec
+from ray_diloco.hivemind_exact import ExactAverager, make_wire_codec
 from ray_diloco.outer import state_digest
 
 logger = logging.getLogger(__name__)
-
-COMPRESSIONS = ("fp16", "bf16", "none")
 
 
 @dataclass
@@ -76,11 +78,27 @@ logging.getLogger("hivemind.averaging.key_manager").addFilter(_DropMessage("powe
 logging.getLogger("hivemind.averaging.averager").addFilter(_DropMessage("could not find a group"))
 
 
+def safe_name(text: str) -> str:
+    """For DHT keys and p2p handler names: no '.' or odd characters, and distinct inputs stay distinct
+    (a hash tag of the original follows the sanitised text)."""
+    tag = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', text)[:40]}_{tag}"
+
+
 def round_prefix(run_id: str, round_index: int) -> str:
-    """Matchmaking prefix of one round: no '.', and distinct run ids stay distinct after sanitising."""
-    safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)[:40]
-    tag = hashlib.blake2b(run_id.encode(), digest_size=4).hexdigest()
-    return f"diloco_{safe}_{tag}_r{int(round_index)}"
+    """Matchmaking prefix of one round of a run."""
+    return f"diloco_{safe_name(run_id)}_r{int(round_index)}"
+
+
+def own_result(compression: str, region: str, tensors: dict[str, torch.Tensor], *, seconds: float = 0.0,
+               consistent: bool = True, error: str | None = None, timings: dict | None = None) -> RoundResult:
+    """A round without the others: the region's own Δ through the codec, one scale per tensor for
+    scaled-fp16 (the single-region path, a region that found nobody, and a failed round all use this)."""
+    codec = get_codec(compression)
+    averaged = {name: codec.roundtrip(t.detach().to("cpu", torch.float32)).reshape(t.shape)
+                for name, t in tensors.items()}
+    return RoundResult(averaged, 1, [region], 0, 0, seconds, consistent, state_digest(averaged), error,
+                       timings or {})
 
 
 def _listen_maddr(host: str) -> str:
@@ -95,7 +113,7 @@ def _await_step(control, averager: ExactAverager, deadline: float):
             raise TimeoutError("averaging_timeout exceeded")
         try:
             return control.result(timeout=min(0.5, remaining))
-        except TimeoutError:
+        except (TimeoutError, concurrent.futures.TimeoutError):  # distinct classes before Python 3.11
             if control.done():  # the step itself failed with a timeout
                 raise
         if not averager.is_alive():
@@ -111,8 +129,8 @@ class RegionAverager:
                  matchmaking_seconds: float = 5.0, averaging_timeout: float = 60.0,
                  announce_maddrs: list[str] | None = None, dht: DHT | None = None,
                  part_size_bytes: int = 2**19, next_chunk_timeout: float | None = None):
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression {compression!r} is unknown; choose one of {COMPRESSIONS}")
+        if compression not in CODEC_NAMES:
+            raise ValueError(f"compression {compression!r} is unknown; choose one of {CODEC_NAMES}")
         if expected_regions < 1:
             raise ValueError(f"expected_regions must be >= 1, got {expected_regions}")
         if matchmaking_seconds <= 0:
@@ -139,11 +157,8 @@ class RegionAverager:
     def visible_multiaddrs(self) -> list[str]:
         return [str(maddr) for maddr in self.dht.get_visible_maddrs()]
 
-    def _own_result(self, names, flat, start, error=None, consistent=True, timings=None) -> RoundResult:
-        averaged = {name: roundtrip(self.codec, t).reshape(t.shape) for name, t in zip(names, flat)}
-        digest = state_digest(averaged)
-        return RoundResult(averaged, 1, [self.region], 0, 0, time.monotonic() - start, consistent, digest,
-                           error, timings or {})
+    def _own_result(self, tensors, start, **kwargs) -> RoundResult:
+        return own_result(self.compression, self.region, tensors, seconds=time.monotonic() - start, **kwargs)
 
     def average(self, tensors: dict[str, torch.Tensor], weight: float, round_index: int) -> RoundResult:
         """Weighted average of `tensors` with the regions that call this for the same run and round."""
@@ -153,10 +168,13 @@ class RegionAverager:
             raise ValueError("nothing to average")
         if not weight > 0:
             raise ValueError(f"weight must be > 0 (tokens trained), got {weight}")
+        bad = sum(count_nonfinite(t) for t in tensors.values())
+        if bad:  # refused here, before any peer counts on us (the codec would only fail mid-round)
+            raise ValueError(f"[{self.region}] round {round_index}: Δ has {bad} non-finite value(s)")
         names = list(tensors)
         flat = [tensors[n].detach().to("cpu", torch.float32) for n in names]
         if self.expected_regions == 1:
-            return self._own_result(names, flat, start)
+            return self._own_result(tensors, start)
 
         with self._lock:
             timings: dict[str, float] = {}
@@ -195,10 +213,10 @@ class RegionAverager:
                     # Nothing of ours went into anybody's average, so the round is consistent.
                     level = logging.INFO if "could not find a group" in str(e) else logging.WARNING
                     logger.log(level, "[%s] round %d: no group (%r); going on alone", self.region, round_index, e)
-                    return self._own_result(names, flat, start, timings=timings)
+                    return self._own_result(tensors, start, timings=timings)
                 logger.warning("[%s] round %d: averaging failed (%r); using the own Δ", self.region,
                                round_index, e)
-                return self._own_result(names, flat, start, error=repr(e), consistent=False, timings=timings)
+                return self._own_result(tensors, start, error=repr(e), consistent=False, timings=timings)
             finally:
                 if averager is not None:
                     t_down = time.monotonic()

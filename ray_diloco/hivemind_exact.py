@@ -7,10 +7,12 @@ ends with a slightly different average, so regions that apply the same outer ste
 Here a reducer answers with the **absolute** averaged part, encoded once by the wire codec (same byte
 count as the stock delta), and the owner of a part runs its own averaged part through the same
 encode/decode. Each part's average is computed on exactly one peer (its reducer) and every peer, the
-reducer included, decodes the same bytes; decoding (fp16/bf16 -> fp32, or fp32 as is) is exact and
-deterministic, so all peers hold bit-identical results. The reducer also runs its *own* contribution
-through the codec before accumulating it, so the average is Σ wᵢ·decode(encode(Δᵢ)) / Σ wᵢ whichever peer
-reduces a part (as `ray_diloco.outer.weighted_average` and the single-region path compute it).
+reducer included, decodes the same bytes; decoding (fp16/bf16 -> fp32, fp32 as is, scaled fp16 times a
+power of two) is exact and deterministic, so all peers hold bit-identical results. The reducer also runs
+its *own* contribution through the codec before accumulating it, so the average is
+Σ wᵢ·decode(encode(Δᵢ)) / Σ wᵢ whichever peer reduces a part (as `ray_diloco.outer.weighted_average` and
+the single-region path compute it; scaled-fp16 scales per part here, per tensor there). Every wire codec
+refuses NaN/inf.
 
 A part whose reducer failed keeps the local part (`TensorPartContainer.register_failed_reducer` with
 `return_deltas=False`), and a sender that dropped is left out of the parts it had not sent yet; the
@@ -20,16 +22,45 @@ Also fixed for one short-lived averager per round, called from any thread: a red
 last replies are handed to p2p before the round ends (`wait_until_served`), `run_in_background` does
 not call signal.signal() in the parent, `start_step` cannot block forever on a dead child, and
 `_shutdown` does not trip over stock's `Future.finalize` bug.
+
+Hivemind internals this project relies on (private or undocumented in hivemind 1.1.x, hence the
+`hivemind>=1.1.10,<1.2` bound; re-check each one before moving the bound). Everything else we use is public
+API (DHT, DHT.store/get/run_coroutine, P2P.replicate, add_protobuf_handler, iterate_protobuf_handler,
+CompressionBase, MSGPackSerializer, get_dht_time):
+
+* this module, `ExactAllReduceRunner(AllReduceRunner)`: overrides `_communicate_with_peer`,
+  `_generate_input_for_peer`, `_accumulate_parts_streaming`, `rpc_aggregate_part`; calls `_get_peer_stub`,
+  `_ban_sender`, `should_delay_results`, `finalize(cancel=True)`; reads `modes`, `ordered_peer_ids`,
+  `sender_peer_ids`, `peer_id`, `weight`, `reducer_timeout`, `banned_senders`, `parts_for_local_averaging`,
+  `tensor_part_reducer` (`accumulate_part`, `num_parts`) and `tensor_part_container` (`compression`,
+  `prefetch`, `num_parts_by_peer`, `register_processed_part`, `register_failed_reducer`, `failed_size`,
+  `total_size`, and sets `return_deltas`); `AveragingMode`; `AllreduceException`, `BannedException`
+  (hivemind.averaging.partition); the AveragingData protobuf (hivemind.proto.averaging_pb2).
+* this module, `ExactAverager(DecentralizedAverager)`: overrides `_aggregate_with_group`,
+  `_run_allreduce_inplace_`, `_shutdown`, `run`, `run_in_background`; uses `schema_hash`, `_p2p`, `prefix`,
+  `_running_groups` (filled by `_register_allreduce_group`), `matchmaking_kwargs`, `serializer`, `bandwidth`,
+  `mode`, `shutdown_timeout`, `remove_p2p_handlers`, the pipe protocol `_outer_pipe.send(("_step", ...,
+  dict(step=, future_for_init=)))` and `_inner_pipe.send(("_SHUTDOWN", None))` (ends
+  `_background_thread_fetch_current_state`); `StepControl(...)`, `.attach`, `.allow_allreduce`,
+  `.began_allreduce`, `GroupInfo`, `MPFuture`; hivemind.utils.asyncio helpers (`aiter_with_timeout`,
+  `amap_in_executor`, `as_aiter`, `attach_event_on_finished`, `azip`); `NoCompression`'s 2-byte "bfloat16"
+  buffer format and `deserialize_torch_tensor`.
+* `ray_diloco.averaging`: the log texts "power of 2" (logger hivemind.averaging.key_manager) and "could not
+  find a group" (hivemind.averaging.averager), which it filters and matches on.
+* `ray_diloco.state_sharing`: `DHT._get_p2p_daemon_listen_maddr` (to replicate the DHT's p2p daemon) and
+  the DownloadRequest/DownloadData protobufs of hivemind.proto.averaging_pb2 (reused for our own stream).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import signal
 import time
 from typing import AsyncIterator, Optional, Sequence
 
+import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -48,9 +79,25 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 
-from ray_diloco.codecs import get_codec
+from ray_diloco.codecs import SCALE_BYTES, get_codec, require_finite
 
 logger = get_logger(__name__)
+
+
+class _RefuseNonFinite:
+    """Mixin: stock Float16Compression clamps inf to ±65504 and passes NaN; nothing non-finite may go out."""
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        require_finite(tensor)
+        return super().compress(tensor, info, allow_inplace)
+
+
+class Float16WireCompression(_RefuseNonFinite, Float16Compression):
+    """Stock fp16 bytes (finite values clamped to ±65504, as `ray_diloco.codecs` fp16)."""
+
+
+class Float32WireCompression(_RefuseNonFinite, NoCompression):
+    """Stock fp32 bytes."""
 
 
 class BFloat16WireCompression(CompressionBase):
@@ -64,7 +111,7 @@ class BFloat16WireCompression(CompressionBase):
     compression_type = runtime_pb2.CompressionType.NONE
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        wire = get_codec("bf16").encode(tensor.detach().cpu())
+        wire, _ = get_codec("bf16").encode(tensor.detach().cpu())
         return runtime_pb2.Tensor(
             compression=self.compression_type,
             buffer=wire.view(torch.int16).numpy().tobytes(),
@@ -80,18 +127,54 @@ class BFloat16WireCompression(CompressionBase):
         return 0.5
 
 
+class ScaledFloat16WireCompression(CompressionBase):
+    """`ray_diloco.codecs` scaled-fp16 per part: buffer = fp16 values of x·s, then s as 4 fp32 bytes.
+
+    It rides on the NONE type with dtype "scaled_float16", which is no numpy dtype: a stock hivemind peer
+    refuses these bytes instead of misreading them. Only `decode_part` (all our runner's receive paths)
+    decodes it.
+    """
+
+    compression_type = runtime_pb2.CompressionType.NONE
+    DTYPE = "scaled_float16"
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        wire, scale = get_codec("scaled-fp16").encode(tensor.detach().cpu())
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=wire.numpy().tobytes() + np.float32(scale).tobytes(),
+            size=wire.shape,
+            dtype=self.DTYPE,
+            requires_grad=False,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = torch.Size(serialized_tensor.size)
+        buffer = serialized_tensor.buffer
+        if len(buffer) != 2 * shape.numel() + SCALE_BYTES:
+            raise ValueError(f"a scaled_float16 part of {shape.numel()} values has {len(buffer)} bytes")
+        values = np.frombuffer(buffer, dtype=np.float16, count=shape.numel())
+        scale = float(np.frombuffer(buffer, dtype=np.float32, offset=2 * shape.numel(), count=1)[0])
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"a scaled_float16 part has scale {scale}")
+        return get_codec("scaled-fp16").decode(torch.from_numpy(values.copy()).reshape(shape), scale)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 0.5
+
+
 def make_wire_codec(name: str) -> CompressionBase:
-    if name == "fp16":
-        return Float16Compression()  # clamps to ±65504, never inf; same bytes as ray_diloco.codecs fp16
-    if name == "none":
-        return NoCompression()
-    if name == "bf16":
-        return BFloat16WireCompression()
-    raise ValueError(f"compression {name!r} is unknown on the hivemind wire; use 'fp16', 'bf16' or 'none'")
+    wire = {"fp16": Float16WireCompression, "none": Float32WireCompression, "bf16": BFloat16WireCompression,
+            "scaled-fp16": ScaledFloat16WireCompression}
+    if name not in wire:
+        raise ValueError(f"compression {name!r} is unknown on the hivemind wire; use one of {tuple(wire)}")
+    return wire[name]()
 
 
 def decode_part(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     """Any of our wire formats -> fp32 (exact and deterministic: every peer gets the same values)."""
+    if serialized.dtype == ScaledFloat16WireCompression.DTYPE:
+        return ScaledFloat16WireCompression().extract(serialized)
     return deserialize_torch_tensor(serialized).detach().float()
 
 
@@ -257,14 +340,12 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
-                 start: bool = False, served_timeout: float = 10.0, **kwargs):
+                 served_timeout: float = 10.0, **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
         self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
         self.served_timeout = served_timeout
-        self._round_stats: Optional[dict] = None
-        if start:
-            self.run_in_background(await_ready=True)
+        self._round_stats: Optional[dict] = None  # started by the caller: run_in_background()
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         # Stock calls signal.signal() here, which raises off the main thread (a Ray actor's executor).

@@ -21,9 +21,7 @@ under way during a publish finishes the old, consistent copy. `snapshot=False` (
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import re
 import threading
 import time
 from collections import defaultdict
@@ -38,6 +36,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 
+from ray_diloco.averaging import safe_name
 from ray_diloco.outer import state_digest
 
 logger = logging.getLogger(__name__)
@@ -75,14 +74,9 @@ def needs_resync(own: StateRecord, records: list[StateRecord]) -> StateRecord | 
     return None if canonical is None or canonical.digest == own.digest else canonical
 
 
-def _safe(text: str) -> str:
-    """No '.' or odd characters; distinct inputs stay distinct (hash tag of the original)."""
-    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', text)[:40]}_{hashlib.blake2b(text.encode(), digest_size=4).hexdigest()}"
-
-
 def state_key(run_id: str) -> str:
     """DHT key of a run's state records (two runs on one DHT never share it)."""
-    return f"diloco_{_safe(run_id)}_state"
+    return f"diloco_{safe_name(run_id)}_state"
 
 
 @dataclass(frozen=True)
@@ -144,7 +138,7 @@ class StateSharer:
         return future.result(timeout + 5.0)
 
     def _handler_name(self, region: str) -> str:
-        return f"{self.key}::{_safe(region)}::download"
+        return f"{self.key}::{safe_name(region)}::download"
 
     async def _start(self, daemon_maddr) -> P2P:
         p2p = await P2P.replicate(daemon_maddr)

@@ -5,6 +5,9 @@ counter. Every H inner steps each FSDP rank of the region sends it its shards; o
 computes Δ = θ_global − θ_region, averages Δ with the other regions over Hivemind (FP16 on the wire,
 fp32 accumulation, weights = tokens), applies the outer step and hands each rank its rows of θ_global.
 Workers stay a plain training loop; checkpointing, joining and overlap live here.
+
+A Δ with NaN/inf (a diverged region) never enters the average: the region sits the round out and adopts the
+newer state another region publishes, or stops with an error if no other region has one.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import ray
 import torch
 
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
-from ray_diloco.codecs import get_codec
+from ray_diloco.averaging import RegionAverager, own_result
+from ray_diloco.codecs import count_nonfinite
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.outer import OuterOptimizer, state_digest
@@ -56,12 +60,10 @@ class SyncActorImpl:
         self.shapes = {name: t.shape for name, t in initial.items()}
         self.outer = OuterOptimizer(initial, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
                                     nesterov=cfg.outer.nesterov)
-        self.codec = get_codec(cfg.outer.compression)
         self.expected_regions = len(cfg.regions)
         self.averager = self.sharer = None
         peers = list(initial_peers or cfg.outer.initial_peers)
-        if self.expected_regions > 1 or peers:  # hivemind is only needed across regions
-            from ray_diloco.averaging import RegionAverager
+        if self.expected_regions > 1 or peers:  # a DHT is only needed across regions
             from ray_diloco.state_sharing import StateSharer
 
             self.averager = RegionAverager(
@@ -261,16 +263,18 @@ class SyncActorImpl:
         local = assemble(pending.shards, self.shapes)
         # The region's own pseudo-gradient: from the θ_global its workers started this round from.
         delta = self.outer.pseudo_gradient(local)
+        bad = sum(count_nonfinite(t) for t in delta.values())
+        if bad:  # a diverged region stays out of the average and takes the others' state instead
+            return await self._skip_nonfinite_round(bad, pending, start)
         if self.sharer is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._resync_and_count_regions)
         outer_step = self.outer.step_count
         tokens = sum(pending.tokens_by_rank.values())
         weight = float(max(tokens, 1))
-        record = {"outer_step": outer_step, "tokens": tokens}
+        compression = self.config.outer.compression
         if self.averager is None:
             # One region: no wire, but the same codec rounding, so results match a multi-region run.
-            averaged = {name: self.codec.roundtrip(t) for name, t in delta.items()}
-            record.update(group_size=1, peers=[self.region], bytes_sent=0, bytes_received=0, consistent=True)
+            result = own_result(compression, self.region, delta)
         else:
             try:
                 result = await asyncio.get_running_loop().run_in_executor(
@@ -278,11 +282,13 @@ class SyncActorImpl:
                 )
             except Exception as error:  # the region goes on alone this round rather than dying
                 self.record_event("averaging_error", error=repr(error)[:300])
-                result = self._alone(delta)
-            averaged = result.averaged
-            record.update(group_size=result.group_size, peers=list(result.peer_regions),
-                          bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
-                          consistent=result.consistent, average_seconds=round(result.seconds, 3))
+                result = own_result(compression, self.region, delta, consistent=False, error=repr(error))
+        averaged = result.averaged
+        record = {"outer_step": outer_step, "tokens": tokens, "group_size": result.group_size,
+                  "peers": list(result.peer_regions), "bytes_sent": result.bytes_sent,
+                  "bytes_received": result.bytes_received, "consistent": result.consistent}
+        if self.averager is not None:
+            record["average_seconds"] = round(result.seconds, 3)
             self.bytes_sent += result.bytes_sent
             self.bytes_received += result.bytes_received
             if result.group_size < self.averager.expected_regions:
@@ -312,12 +318,39 @@ class SyncActorImpl:
                     seconds, record["group_size"])
         return new_global
 
-    def _alone(self, delta: dict[str, torch.Tensor]):
-        from ray_diloco.averaging import RoundResult
+    async def _skip_nonfinite_round(self, bad: int, pending: _PendingRound, start: float) -> dict[str, torch.Tensor]:
+        """Δ has `bad` NaN/inf values: send nothing (the others do not find this region in matchmaking and
+        average without it), then adopt the newer state another region publishes. Raises if there is none."""
+        own_step = self.outer.step_count
+        self.record_event("nonfinite_pseudo_gradient", bad_values=bad)
+        if self.sharer is None or not await asyncio.get_running_loop().run_in_executor(
+                None, self._resync_from_newer, own_step):
+            raise RuntimeError(f"region {self.region}: pseudo-gradient has {bad} non-finite values and no other "
+                               f"region holds a newer state to re-sync from; lower inner.lr or check the data")
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish(0))
+        seconds = time.perf_counter() - start
+        self.sync_seconds += seconds
+        # Its tokens went into no average: not counted. group_size 0: this region took part in no round.
+        self.history.append({"outer_step": own_step, "tokens": sum(pending.tokens_by_rank.values()),
+                             "group_size": 0, "peers": [], "bytes_sent": 0, "bytes_received": 0,
+                             "consistent": True, "nonfinite_values": bad, "seconds": round(seconds, 3),
+                             "digest": self._digest})
+        return self.outer.global_state()
 
-        averaged = {name: self.codec.roundtrip(t) for name, t in delta.items()}
-        return RoundResult(averaged=averaged, group_size=1, peer_regions=[self.region], bytes_sent=0,
-                           bytes_received=0, seconds=0.0, consistent=False, digest=state_digest(averaged))
+    def _resync_from_newer(self, own_step: int) -> bool:
+        """Wait (up to outer.averaging_timeout) for another region's record past `own_step`; adopt the
+        canonical one. False if none appeared or none could be loaded in time."""
+        from ray_diloco.state_sharing import choose_canonical
+
+        deadline = time.monotonic() + self.config.outer.averaging_timeout
+        while True:
+            newer = [r for r in self.sharer.records() if r.region != self.region and r.outer_step > own_step]
+            canonical = choose_canonical(newer)
+            if canonical is not None and self._adopt(canonical, "resync"):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
 
     def shutdown(self) -> None:
         if self.sharer is not None:

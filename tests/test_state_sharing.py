@@ -10,7 +10,8 @@ never sits on the same DHT as the holder it loads from (libp2p does not dial its
 * with X held by two regions at step 3 and Y by one, the odd one's needs_resync is X's record and
   load_from_peers(want=X) yields θ with digest X, also when the wanted holder lies (serves Y under an X record:
   the next holder of X is used) and from a holder in lazy mode (snapshot=False);
-* a sharer of another run on the same DHT is not in records();
+* a sharer of another run on the same DHT is not in records(); state keys and the averager's round prefixes
+  sanitise a run id with the same function (one sanitiser, two uses);
 * load_from_peers returns None within its timeout when nobody holds the state, when the holder's handler is
   gone, when the holder's peer does not exist, and when the holder died without withdrawing its record.
 """
@@ -24,6 +25,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from ray_diloco.averaging import round_prefix, safe_name
 from ray_diloco.outer import state_digest
 from ray_diloco.state_sharing import StateRecord, StateSharer, choose_canonical, needs_resync, state_key
 
@@ -45,6 +47,14 @@ def test_choose_canonical_policy():
     for order in (tie, tie[::-1], tie[1:] + tie[:1]):  # deterministic whatever the order
         assert choose_canonical(order) == R("b", 5, "q", 3)
     assert choose_canonical([R("a", 0, "init", 0)]) == R("a", 0, "init", 0)
+
+
+def test_state_keys_and_round_prefixes_sanitise_run_ids_alike():
+    for run_id in ("run.A", "run_A", "ä/b c" * 20):
+        safe = safe_name(run_id)
+        assert "." not in safe and "/" not in safe and " " not in safe
+        assert state_key(run_id) == f"diloco_{safe}_state" and round_prefix(run_id, 3) == f"diloco_{safe}_r3"
+    assert safe_name("run.A") != safe_name("run_A")  # equal after sanitising, told apart by the hash tag
 
 
 def test_needs_resync_policy():

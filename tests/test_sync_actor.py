@@ -1,0 +1,78 @@
+"""The SyncActor (ray_diloco.sync_actor.SyncActorImpl, tested as a plain class) when a region's Δ is NaN/inf.
+
+Two regions in this process on 127.0.0.1 (real DHTs, averagers and state sharing), one worker each. Checks that:
+* a region whose pseudo-gradient has non-finite values sends nothing: the other region's round goes alone
+  (group_size 1) after matchmaking; the bad region records `nonfinite_pseudo_gradient` with the count, re-syncs
+  (`resync`) to the good region's state and hands its worker that θ (bit-identical digest) and outer step;
+* a single region with a non-finite Δ has nobody to re-sync from and stops with a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import small_run
+from ray_diloco.outer import state_digest
+from ray_diloco.sync_actor import SyncActorImpl
+
+MM = 2.0  # matchmaking_seconds: the good region waits this long for the bad one before going alone
+
+
+def config(tmp_path, name: str, workers: list[int], **kwargs) -> dict:
+    cfg = small_run(tmp_path, name, workers=workers, **kwargs)
+    # The driver sets the vocabulary from the tokenizer; a small one keeps the model tiny.
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256)).to_dict()
+
+
+def trained(actor: SyncActorImpl, seed: int) -> dict[str, torch.Tensor]:
+    """θ_global moved a little, as H inner steps would (one worker: the shard is the whole tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: t + 1e-3 * torch.randn(t.shape, generator=g) for name, t in actor.global_state().items()}
+
+
+def nonfinite_events(actor: SyncActorImpl) -> list[dict]:
+    return [e for e in actor.events if e["event"] == "nonfinite_pseudo_gradient"]
+
+
+def test_region_with_nonfinite_delta_sits_out_and_resyncs_to_the_other(tmp_path):
+    cfg = config(tmp_path, "nonfinite", [1, 1], matchmaking_seconds=MM)
+    good = SyncActorImpl(cfg, "r0")
+    bad = None
+    try:
+        bad = SyncActorImpl(cfg, "r1", initial_peers=good.multiaddrs())
+        good_shards, bad_shards = trained(good, seed=1), trained(bad, seed=2)
+        name = next(iter(bad_shards))
+        bad_shards[name].view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+
+        async def both():
+            return await asyncio.gather(good.exchange(0, 0, 1, good_shards, tokens=1000),
+                                        bad.exchange(0, 0, 1, bad_shards, tokens=1000))
+
+        (good_step, good_rows), (bad_step, bad_rows) = asyncio.run(both())
+    finally:
+        for actor in (bad, good):
+            if actor is not None:
+                actor.shutdown()
+
+    assert good.last_round()["group_size"] == 1 and good.last_round()["peers"] == ["r0"]
+    assert good_step == bad_step == 1 == bad.outer_step()
+    assert bad.digest() == good.digest() == state_digest(bad_rows) == state_digest(good_rows)
+    assert all(torch.isfinite(t).all() for t in bad_rows.values())
+    assert [e["bad_values"] for e in nonfinite_events(bad)] == [3] and not nonfinite_events(good)
+    resync = [e for e in bad.events if e["event"] == "resync"]
+    assert len(resync) == 1 and resync[0]["source"] == "r0" and resync[0]["to_step"] == 1
+    assert bad.last_round()["group_size"] == 0 and bad.last_round()["nonfinite_values"] == 3
+
+
+def test_single_region_with_nonfinite_delta_stops_with_a_clear_error(tmp_path):
+    cfg = config(tmp_path, "nonfinite-alone", [1])
+    alone = SyncActorImpl(cfg, "r0")
+    shards = trained(alone, seed=3)
+    next(iter(shards.values())).view(-1)[0] = float("nan")
+    with pytest.raises(RuntimeError, match="region r0: pseudo-gradient has 1 non-finite values and no other"):
+        asyncio.run(alone.exchange(0, 0, 1, shards, tokens=1000))
+    assert alone.outer_step() == 0 and [e["bad_values"] for e in nonfinite_events(alone)] == [1]
