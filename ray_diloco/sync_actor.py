@@ -344,7 +344,12 @@ class SyncActorImpl:
 
         deadline = time.monotonic() + self.config.outer.averaging_timeout
         while True:
-            newer = [r for r in self.sharer.records() if r.region != self.region and r.outer_step > own_step]
+            try:
+                records = self.sharer.records()
+            except Exception as e:  # the DHT did not answer in time: ask again until the deadline
+                logger.warning("[%s] reading the state records failed: %r", self.region, e)
+                records = []
+            newer = [r for r in records if r.region != self.region and r.outer_step > own_step]
             canonical = choose_canonical(newer)
             if canonical is not None and self._adopt(canonical, "resync"):
                 return True
