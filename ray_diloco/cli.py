@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from ray_diloco.codecs import CODEC_NAMES
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, fresh_run_name
 from ray_diloco.presets import DEFAULT_PRESET, PRESETS, get_preset
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--workers-per-region", type=int, metavar="N")
     train.add_argument("--inner-steps", type=int, metavar="H", help="inner steps between outer steps")
     train.add_argument("--outer-steps", type=int, metavar="T")
-    train.add_argument("--compression", choices=["none", "bf16", "fp16"], help="pseudo-gradient codec on the wire")
+    train.add_argument("--compression", choices=CODEC_NAMES, help="pseudo-gradient codec on the wire")
     train.add_argument("--data", metavar="PATH_OR_GLOB", help="training files in the C4 json.gz layout")
     train.add_argument("--eval-data", metavar="PATH_OR_GLOB", help="held-out files for evaluation")
     train.add_argument("--output-dir", metavar="DIR")

@@ -53,8 +53,13 @@ class Head:
     def submit(self, working_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         command = [RAY, "job", "submit", "--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml", "--",
                    "python", "jobs/train.py", *args]
-        return subprocess.run(command, cwd=working_dir, env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+        for _ in range(30):  # a fresh head answers `ray job list` before its job agent takes jobs
+            done = subprocess.run(command, cwd=working_dir, env=self.env, capture_output=True, text=True,
+                                  timeout=timeout)
+            if "No available agent to submit job" not in done.stdout + done.stderr:
+                return done
+            time.sleep(2)
+        return done
 
     def stop(self):
         os.killpg(self.process.pid, signal.SIGTERM)
