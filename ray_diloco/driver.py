@@ -87,7 +87,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
         if not peers:
             peers = ray.get(actor.multiaddrs.remote())
         actors.append(actor)
-    ray.get([a.outer_step.remote() for a in actors])  # surface start-up errors here
+    ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too
     return actors
 
 

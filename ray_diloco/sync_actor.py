@@ -198,6 +198,15 @@ class SyncActorImpl:
         logger.info("[%s] checkpoint of outer step %d committed: %s", self.region, step, location)
         return location
 
+    def catch_up(self) -> int:
+        """Called by the driver once every region's actor runs: a region that started before its peers, or
+        resumed from an older checkpoint than theirs (it left the run early), takes the run's state now,
+        before its workers start. Returns the outer step."""
+        if self.sharer is not None:
+            self._join_if_behind()
+            self._publish(group_size=0)
+        return self.outer.step_count
+
     def _join_if_behind(self) -> None:
         """A region starting mid-run takes the run's state before its workers take their first step."""
         from ray_diloco.state_sharing import choose_canonical

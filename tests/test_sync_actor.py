@@ -76,3 +76,24 @@ def test_single_region_with_nonfinite_delta_stops_with_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="region r0: pseudo-gradient has 1 non-finite values and no other"):
         asyncio.run(alone.exchange(0, 0, 1, shards, tokens=1000))
     assert alone.outer_step() == 0 and [e["bad_values"] for e in nonfinite_events(alone)] == [1]
+
+
+def test_a_region_resumed_from_an_older_checkpoint_catches_up_when_the_driver_asks(tmp_path):
+    """A region that left early resumes from its own older checkpoint; `catch_up` (called by the driver once
+    every actor runs, whatever the start order) gives it its peers' newer state before its workers start."""
+    cfg = config(tmp_path, "catch-up", [1, 1], matchmaking_seconds=MM)
+    behind = SyncActorImpl(cfg, "r0")  # starts first: nobody to join yet
+    ahead = None
+    try:
+        ahead = SyncActorImpl(cfg, "r1", initial_peers=behind.multiaddrs())
+        theta = trained(ahead, seed=4)
+        ahead._set_state(5, theta, {})  # as if resumed from its checkpoint of outer step 5
+        ahead.catch_up()  # publishes its state
+        assert behind.outer_step() == 0
+        assert behind.catch_up() == 5
+    finally:
+        for actor in (ahead, behind):
+            if actor is not None:
+                actor.shutdown()
+    assert behind.digest() == ahead.digest() == state_digest(theta)
+    assert [e["event"] for e in behind.events] == ["region_joined"]
