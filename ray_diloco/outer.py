@@ -45,23 +45,31 @@ def weighted_average(
 
 
 class OuterOptimizer:
-    """Holds θ_global (fp32, full tensors by name, on CPU) and Nesterov SGD over it."""
+    """Holds θ_global (fp32, full tensors by name, on CPU) and Nesterov SGD over it.
+
+    The update is torch.optim.SGD's (dampening 0: buf ← m·buf + Δ, the first step buf = Δ; Nesterov: u = Δ + m·buf,
+    else u = buf; θ ← θ − lr·u), written as separately rounded element-wise operations. torch's SGD fuses
+    `a + α·b` into one fused multiply-add in its vectorised kernels but not in the scalar ones, so the same step
+    gave different bits under ATEN_CPU_CAPABILITY=default and avx2: regions whose SyncActors run on different
+    CPUs would diverge every round. A product by a scalar and a sum of two tensors are each rounded once
+    (IEEE 754) whatever the kernel, so this θ_global is bit-identical on any CPU.
+    """
 
     def __init__(
         self, global_params: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9,
         nesterov: bool = True,
     ):
+        if nesterov and momentum <= 0:
+            raise ValueError("Nesterov momentum needs momentum > 0")
         # Own copies: callers keep their tensors, and the outer state never lives on the accelerator.
-        self.params = {name: torch.nn.Parameter(t.detach().float().cpu().clone(), requires_grad=False)
-                       for name, t in global_params.items()}
-        self.optimizer = torch.optim.SGD(
-            list(self.params.values()), lr=lr, momentum=momentum, nesterov=nesterov
-        )
+        self.params = {name: t.detach().float().cpu().clone() for name, t in global_params.items()}
+        self.lr, self.momentum, self.nesterov = float(lr), float(momentum), nesterov
+        self.buffers: dict[str, torch.Tensor] = {}
         self.step_count = 0
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        """θ_global (views of the live tensors: clone before mutating)."""
-        return {name: p.data for name, p in self.params.items()}
+        """θ_global (the live tensors: clone before mutating)."""
+        return dict(self.params)
 
     def pseudo_gradient(self, local_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return pseudo_gradient(self.global_state(), local_params)
@@ -70,22 +78,26 @@ class OuterOptimizer:
     def step(self, averaged_delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Apply the averaged pseudo-gradient as the gradient of θ_global; return the new θ_global."""
         for name, param in self.params.items():
-            param.grad = averaged_delta[name].float().reshape(param.shape).clone()
-        self.optimizer.step()
-        for param in self.params.values():
-            param.grad = None
+            grad = averaged_delta[name].float().reshape(param.shape)
+            update = grad
+            if self.momentum:
+                previous = self.buffers.get(name)
+                buf = grad.clone() if previous is None else torch.add(torch.mul(previous, self.momentum), grad)
+                self.buffers[name] = buf
+                update = torch.add(grad, torch.mul(buf, self.momentum)) if self.nesterov else buf
+            param.copy_(torch.sub(param, torch.mul(update, self.lr)))
         self.step_count += 1
         return self.global_state()
 
     def momentum_state(self) -> dict[str, torch.Tensor]:
         """The momentum buffers by parameter name (absent before the first step)."""
-        state = self.optimizer.state
-        return {name: state[p]["momentum_buffer"] for name, p in self.params.items()
-                if p in state and state[p].get("momentum_buffer") is not None}
+        return dict(self.buffers)
 
     def load_momentum(self, buffers: Mapping[str, torch.Tensor]) -> None:
-        for name, buffer in buffers.items():
-            self.optimizer.state[self.params[name]]["momentum_buffer"] = buffer.float().clone()
+        unknown = set(buffers) - set(self.params)
+        if unknown:
+            raise KeyError(f"momentum for unknown parameters: {sorted(unknown)[:5]}")
+        self.buffers = {name: buffer.float().clone() for name, buffer in buffers.items()}
 
 
 def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
