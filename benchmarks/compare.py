@@ -10,6 +10,7 @@ number of inner steps (so the same tokens) per worker:
 * `ddp`          one Ray Train group of `--workers` workers, fp32 gradient all-reduce every step;
 * `diloco-none`  `--workers` regions × 1 worker, an outer step every H inner steps, fp32 on the wire;
 * `diloco-fp16`  the same with fp16 pseudo-gradients on the wire;
+* `diloco-scaled-fp16`  the same with scaled fp16 (a power-of-two scale per part: no clamping, no flush to 0);
 * `single`       one worker.
 
 It prints and writes `compare.json` and `compare.md` (a table: held-out loss and perplexity of the final
@@ -40,8 +41,9 @@ from ray_diloco.presets import tiny_cpu
 DEFAULT_OUTPUT_DIR = "runs/compare"
 # Arms in table order: (label, mode, compression). Compression only matters for diloco.
 ARMS = (("ddp", "ddp", "none"), ("diloco-none", "diloco", "none"), ("diloco-fp16", "diloco", "fp16"),
+        ("diloco-scaled-fp16", "diloco", "scaled-fp16"),
         ("single", "single", "none"))
-CODEC_BYTES = {"none": 4, "fp16": 2, "bf16": 2}
+CODEC_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "scaled-fp16": 2}  # + 4 bytes of scale per part
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,7 +266,8 @@ def plot_curves(curves: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"ddp": "s-", "diloco-none": "o-", "diloco-fp16": "^--", "single": "d:"}
+    styles = {"ddp": "s-", "diloco-none": "o-", "diloco-fp16": "^--", "diloco-scaled-fp16": "v-.",
+              "single": "d:"}
     for label, points in curves.items():
         ax.plot([p["tokens_per_worker"] for p in points], [p["eval_loss"] for p in points],
                 styles.get(label, "o-"), label=label)

@@ -240,6 +240,9 @@ class RunConfig:
     """Restarts of a region's group after a worker dies (Ray Train FailureConfig); it resumes from θ_global."""
     eval_every: int = 0
     """Evaluate the global model on the held-out set every this many outer steps (0: only at start and end)."""
+    stop_timeout_seconds: float = 300.0
+    """After a stop request (`ray job stop`, SIGTERM, Ctrl-C) the driver waits this long for every region to
+    finish its round and checkpoint it, then gives up (jobs/runtime_env.yaml lets Ray wait longer than this)."""
 
     def checkpoint_root(self) -> str:
         if self.checkpoint_path:
@@ -257,6 +260,7 @@ class RunConfig:
         _require(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0 disables checkpoints)")
         _require(self.max_failures >= 0, "run.max_failures", f"must be >= 0, got {self.max_failures}")
         _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.stop_timeout_seconds > 0, "run.stop_timeout_seconds", "must be > 0")
         _require(self.mode == "diloco" or not (self.checkpoint_every or self.resume), "run.checkpoint_every",
                  f"checkpoints and --resume are for DiLoCo runs; mode {self.mode!r} does not checkpoint")
 

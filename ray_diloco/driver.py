@@ -25,11 +25,15 @@ from ray_diloco.checkpoint import join
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets
+from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
+from ray_diloco.live_summary import LiveSummary
 from ray_diloco.model import build_model, count_parameters, load_parameters, save_model
 from ray_diloco.outer import state_digest
+from ray_diloco.plots import write_loss_png
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, local_cpus_for
 from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
+from ray_diloco.stopping import GracefulStop
 from ray_diloco.sync_actor import SyncActor
 from ray_diloco.worker import region_train_loop
 
@@ -46,7 +50,7 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
         return
     address = address or os.environ.get("RAY_ADDRESS")
     # WARNING: Ray's INFO start-up lines repeat what the driver prints below.
-    quiet = dict(logging_level=logging.WARNING, include_dashboard=True)
+    quiet = dict(logging_level=logging.WARNING, include_dashboard=True, job_config=job_metadata(cfg, groups))
     if address:
         context = ray.init(address=address, **quiet)
         what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
@@ -57,6 +61,16 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
         what = "started a private local Ray (--address auto runs on a cluster `ray start` runs here)"
     dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     print(f"[driver] {what}{dashboard}", flush=True)
+
+
+def job_metadata(cfg: ExperimentConfig, groups: list[RegionConfig]) -> ray.job_config.JobConfig:
+    """What the dashboard's Jobs page shows beside the job (under `ray job submit`, merged with the
+    submission's `--metadata-json`)."""
+    return ray.job_config.JobConfig(metadata={
+        "ray_diloco_run": cfg.run.name, "mode": cfg.run.mode,
+        "regions": ",".join(f"{g.name}:{g.workers}" for g in groups),
+        "model": f"d{cfg.model.hidden_size}-L{cfg.model.num_layers}",
+        "steps": f"H={cfg.outer.inner_steps} T={cfg.run.outer_steps}"})
 
 
 def region_placement(region: RegionConfig) -> dict[str, str] | None:
@@ -169,9 +183,16 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
                             time.perf_counter() - started, num_params)
     summary_file = out_dir / f"summary{prepared.suffix}.json"
     summary_file.write_text(json.dumps(summary, indent=2))
+    loss_png = write_loss_png(summary, out_dir / f"loss{prepared.suffix}.png")
+    if summary["stopped"]:
+        steps = sorted({w["outer_step"] for w in outcome.worker_results})
+        print(f"[driver] stopped on request at outer step(s) {steps} of {cfg.run.outer_steps}, checkpointed: "
+              f"start it again with --run-name {cfg.run.name} to continue", flush=True)
     print(f"[driver] held-out loss {eval_start:.4f} -> {eval_loss:.4f} (perplexity {eval_ppl:.1f}); "
           f"global model identical across regions: {summary['regions_agree']}; summary: {summary_file}",
           flush=True)
+    if loss_png is not None:
+        print(f"[driver] loss curves: {loss_png}", flush=True)
     return summary
 
 
@@ -197,10 +218,12 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
         if cfg.run.eval_every else None
     actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator) \
         if cfg.run.mode == "diloco" else [None] * len(groups)
+    live = LiveSummary([g.name for g in groups], actors, evaluator, cfg.run.outer_steps,
+                       patience=2 * cfg.outer.matchmaking_seconds) if cfg.run.mode == "diloco" else None
     try:
         trainers = [make_trainer(cfg, group, actor, evaluator, dataset, counters)
                     for group, actor, dataset in zip(groups, actors, datasets)]
-        with ThreadPoolExecutor(max_workers=len(trainers)) as pool:
+        with GracefulStop(actors, cfg.run.stop_timeout_seconds), ThreadPoolExecutor(len(trainers)) as pool:
             # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
             outcomes = list(pool.map(_fit, trainers))
         # A region whose group failed for good (after its restarts) has left the run; the others went on.
@@ -213,6 +236,7 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
                       for i in range(len(groups)) if i not in finished]
         for departure in departures:
             logger.warning("region %s left the run: %s", departure["region"], departure["error"])
+            metrics.safely(metrics.record_event, cfg.run.name, departure["region"], "region_departed")
         worker_results = [outcomes[i][0].return_value for i in finished]
         if cfg.run.mode == "diloco":
             stats = ray.get([actors[i].stats.remote() for i in finished])
@@ -224,7 +248,10 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
             final_state, stats = baseline_outcome(cfg, groups[0], worker_results[0], num_params)
         curve = ray.get(evaluator.get_curve.remote()) if evaluator else []
         data_counts = ray.get(counters.get.remote())
+        metrics.safely(metrics.record_skipped_records, cfg.run.name, data_counts["skipped"])
     finally:
+        if live is not None:
+            live.stop()
         for actor in actors:
             if actor is not None:
                 _stop_sync_actor(actor)
@@ -300,4 +327,8 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
         "parameters": num_params,
         # What each group trained on: equal for two runs that saw the same windows (see batches.py).
         "data_fingerprint": {groups[i].name: w["data"] for i, w in zip(outcome.finished, workers)},
+        # Rank 0's training loss per inner step (since its last start), per region: loss.png draws it.
+        "loss_curve": {groups[i].name: w.get("loss_curve", []) for i, w in zip(outcome.finished, workers)},
+        # Asked to stop (`ray job stop`, SIGTERM, Ctrl-C): ended early at an outer step with a checkpoint.
+        "stopped": any(w.get("stopped") for w in workers),
     }

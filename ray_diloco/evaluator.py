@@ -9,6 +9,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from ray_diloco import metrics
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.eval_set import evaluate_loss
 from ray_diloco.model import build_model, load_parameters
@@ -33,6 +34,7 @@ class EvaluatorImpl:
         point = {"outer_step": outer_step, "tokens_per_worker": self.tokens_per_worker(outer_step),
                  "eval_loss": loss, "eval_perplexity": perplexity}
         self.curve.append(point)
+        metrics.safely(metrics.record_eval, self.cfg.run.name, outer_step, loss, perplexity)
         return point
 
     def get_curve(self) -> list[dict]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from ray_diloco import metrics
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.averaging import RegionAverager, own_result
 from ray_diloco.codecs import count_nonfinite
@@ -42,6 +43,8 @@ class _PendingRound:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     new_global: dict[str, torch.Tensor] | None = None
     error: BaseException | None = None
+    first_in: float = field(default_factory=time.perf_counter)  # the first rank's shards arrived
+    stop: bool = False  # a stop was requested before the round ended: every rank checkpoints and ends here
 
 
 class SyncActorImpl:
@@ -78,6 +81,7 @@ class SyncActorImpl:
             self.sharer = StateSharer(self.averager.dht, cfg.run.name, region, self._snapshot,
                                       ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False)
         self._rounds: dict[int, _PendingRound] = {}
+        self.stop_requested = False
         self.history: list[dict] = []
         self.bytes_sent = self.bytes_received = 0
         self.sync_seconds = 0.0
@@ -98,6 +102,9 @@ class SyncActorImpl:
         if self.sharer is not None:
             self._join_if_behind()
             self._publish(group_size=0)
+        self.inner_report: dict = {}  # rank 0's last loss, tokens/s, lr (note_inner): for the live summary
+        metrics.safely(metrics.record_event, cfg.run.name, region, "sync_actor_started")
+        metrics.safely(metrics.record_outer_step, cfg.run.name, region, self.outer.step_count)
 
     # -- discovery and state -------------------------------------------------------------------------
     def multiaddrs(self) -> list[str]:
@@ -118,6 +125,11 @@ class SyncActorImpl:
                  "time": time.time(), **details}
         self.events.append(event)
         logger.warning("[%s] %s", self.region, event)
+        metrics.safely(metrics.record_event, self.config.run.name, self.region, kind)
+
+    def note_inner(self, loss: float, tokens_per_second: float, lr: float) -> None:
+        """Rank 0's last inner step before a round (fire-and-forget): the round's record carries it."""
+        self.inner_report = {"loss": loss, "tokens_per_second": tokens_per_second, "lr": lr}
 
     def outer_step(self) -> int:
         return self.outer.step_count
@@ -163,6 +175,7 @@ class SyncActorImpl:
         self.outer.load_momentum(momentum)
         self.outer.step_count = step
         self._digest = state_digest(self.outer.global_state())
+        metrics.safely(metrics.record_outer_step, self.config.run.name, self.region, step)
 
     def _resume_from_checkpoint(self, step: int) -> None:
         """`step`: the outer step the driver resumes all its regions from."""
@@ -245,10 +258,16 @@ class SyncActorImpl:
         }
 
     # -- the outer step ------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """The run was asked to stop (`ray job stop`, SIGTERM, Ctrl-C): the region's workers end after the
+        current round, with a checkpoint of it, so the run can continue from there."""
+        self.stop_requested = True
+
     async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, torch.Tensor],
-                       tokens: int, progress: dict | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+                       tokens: int, progress: dict | None = None) -> tuple[int, dict[str, torch.Tensor], bool]:
         """Called by every rank after H inner steps (`outer_step` counts the region's own rounds); returns
-        the outer step now reached (ahead of the workers' count after a re-sync) and the rank's rows."""
+        the outer step now reached (ahead of the workers' count after a re-sync), the rank's rows, and
+        whether to stop there (the same answer for every rank of the round)."""
         pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
         pending.shards[rank] = shards
         pending.tokens_by_rank[rank] = tokens
@@ -257,6 +276,7 @@ class SyncActorImpl:
             try:
                 pending.new_global = await self._run_round(outer_step, pending)
                 self.progress = dict(pending.progress_by_rank)
+                pending.stop = self.stop_requested
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
             finally:
@@ -265,7 +285,7 @@ class SyncActorImpl:
         await pending.done.wait()
         if pending.error is not None:
             raise pending.error
-        return self.outer.step_count, rows_for_rank(pending.new_global, world_size, rank)
+        return self.outer.step_count, rows_for_rank(pending.new_global, world_size, rank), pending.stop
 
     async def _run_round(self, workers_step: int, pending: _PendingRound) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
@@ -275,6 +295,7 @@ class SyncActorImpl:
         bad = sum(count_nonfinite(t) for t in delta.values())
         if bad:  # a diverged region stays out of the average and takes the others' state instead
             return await self._skip_nonfinite_round(bad, pending, start)
+        reduce_started = time.perf_counter()
         if self.sharer is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._resync_and_count_regions)
         outer_step = self.outer.step_count
@@ -293,6 +314,7 @@ class SyncActorImpl:
                 self.record_event("averaging_error", error=repr(error)[:300])
                 result = own_result(compression, self.region, delta, consistent=False, error=repr(error))
         averaged = result.averaged
+        reduce_seconds = time.perf_counter() - reduce_started
         record = {"outer_step": outer_step, "tokens": tokens, "group_size": result.group_size,
                   "peers": list(result.peer_regions), "bytes_sent": result.bytes_sent,
                   "bytes_received": result.bytes_received, "consistent": result.consistent}
@@ -315,8 +337,15 @@ class SyncActorImpl:
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens
-        record.update(seconds=round(seconds, 3), digest=self._digest)
+        wait_seconds = start - pending.first_in
+        record.update(seconds=round(seconds, 3), digest=self._digest, wait_seconds=round(wait_seconds, 3),
+                      all_reduce_seconds=round(reduce_seconds, 3), apply_seconds=round(seconds - reduce_seconds, 3),
+                      **self.inner_report)
         self.history.append(record)
+        metrics.safely(metrics.record_round, self.config.run.name, self.region, self.outer.step_count,
+                       record["group_size"], wait_seconds, reduce_seconds, seconds - reduce_seconds,
+                       record["bytes_sent"] if self.averager is not None else 0,
+                       record["bytes_received"] if self.averager is not None else 0)
         if self.record_rounds:
             self.recorded.append({"local": local, "tokens": tokens,
                                   "global_after": {k: v.clone() for k, v in new_global.items()}})

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from ray_diloco import metrics
 from ray_diloco.batches import WorkerBatches, combine_progress
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.inner import build_inner_optimizer
@@ -200,7 +201,10 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits
     loop_started = time.perf_counter()
     peers = str(len(cfg.regions)) if sync_actor is not None else "-"
-    outer_step = start_outer
+    flops_token = metrics.flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
+    peak = metrics.peak_flops(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    loss_curve: list[tuple[int, float]] = []  # rank 0: (inner step, loss), for loss.png
+    outer_step, stopped = start_outer, False
     while outer_step < cfg.run.outer_steps:
         tokens_this_round = 0
         for inner in range(H):
@@ -211,16 +215,22 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG)
             seconds = time.perf_counter() - started
             step_rates.append(tokens / seconds)
+            loss_value = loss.item() if rank == 0 else None  # rank 0 prints it anyway: no extra sync
+            metrics.safely(metrics.record_inner_step, cfg.run.name, region, rank, seconds, tokens, flops_token,
+                           peak, loss_value, inner_step.lr if rank == 0 else None)
             if rank == 0:
+                loss_curve.append((outer_step * H + inner + 1, loss_value))
                 status(f"[{region}] step {outer_step * H + inner + 1}/{cfg.total_inner_steps}"
-                       f" | outer {outer_step + 1}/{cfg.run.outer_steps} | loss {loss.item():.4f}"
+                       f" | outer {outer_step + 1}/{cfg.run.outer_steps} | loss {loss_value:.4f}"
                        f" | lr {inner_step.lr:.2e} | {tokens / seconds:,.0f} tok/s/worker"
                        f" | last sync {last_sync_seconds:.2f}s | peers {peers}")
         tokens_total += tokens_this_round
         if sync_actor is not None:
+            if rank == 0:  # fire-and-forget, once per round: the driver's live summary line shows it
+                sync_actor.note_inner.remote(loss_curve[-1][1], tokens / seconds, inner_step.lr)
             sync_started = time.perf_counter()
-            reached, rows = ray.get(sync_actor.exchange.remote(outer_step, rank, world_size, shards_of(model),
-                                                               tokens_this_round, batches.progress()))
+            reached, rows, stop = ray.get(sync_actor.exchange.remote(
+                outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress()))
             load_rows(model, rows)
             last_sync_seconds = time.perf_counter() - sync_started
             sync_seconds_total += last_sync_seconds
@@ -232,12 +242,17 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 status(f"[{region}] outer step {reached}/{cfg.run.outer_steps} synced in "
                        f"{last_sync_seconds:.2f}s with {peers} region(s): {', '.join(round_info['peers'])}")
             outer_step = reached
+            metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
+                           1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
             every = cfg.run.checkpoint_every
-            if every and outer_step % every == 0:
+            if stop or (every and outer_step % every == 0):
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, batches, loop_config["worker_checkpoints"],
                                   outer_step, rank, world_size)
                 checkpoint_seconds += time.perf_counter() - checkpoint_started
+            if stop:  # the run was asked to stop; started again under its name, it goes on from here
+                stopped = True
+                break
         else:
             outer_step += 1
             if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:
@@ -256,7 +271,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
               # Time in the loop, and the parts of it this rank waited on outer steps and wrote checkpoints:
               # the rest is compute (compute utilization).
               "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total,
-              "checkpoint_seconds": checkpoint_seconds}
+              "checkpoint_seconds": checkpoint_seconds, "stopped": stopped, "outer_step": outer_step}
+    result["loss_curve"] = loss_curve  # rank 0's, since this worker started
     if sync_actor is None:
         state = full_state(model)
         if rank == 0:  # Ray Train refuses torch tensors in return values; numpy arrays travel fine

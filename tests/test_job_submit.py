@@ -3,9 +3,10 @@
 - a 2-region job on a head with 2 CPUs (it needs 3.25) fails within seconds with the resource message (it
   used to hang forever waiting for workers that could never be placed);
 - `ray-diloco train` with a `ray start` cluster running starts a private Ray; `--address auto` attaches;
-- the README's job command (`ray start --head --num-cpus 4`, the 2-region job) runs, and a job submitted
-  again under the same run name after an edit to the working directory continues from the first job's
-  checkpoint (outputs go to a fixed storage path, not Ray's per-upload copy of the working directory).
+- the README's job commands (`ray start --head --num-cpus 4`, the 2-region job): `ray job stop` ends the run at
+  an outer step with a checkpoint, and the job submitted again under the same run name after an edit to the
+  working directory continues from it (outputs go to a fixed storage path, not Ray's per-upload copy of the
+  working directory) to the model of a run that was never stopped.
 
 Each head is started with `--block` in its own process group and stopped by that group's id (never `ray stop`,
 which would stop every Ray on the machine).
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -43,16 +46,24 @@ class Head:
         self.log = open(tmp / f"head-{self.port}.log", "w")
         self.process = subprocess.Popen(
             [RAY, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={self.port}",
-             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats"],
+             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats",
+             # Ports of their own: with the defaults, a second Ray on the machine (another test's, a user's)
+             # takes the agent's port and this head never accepts a job.
+             *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                      "runtime-env-agent-port", "metrics-export-port",
+                                                      "ray-client-server-port"))],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         deadline = time.monotonic() + 90
         while subprocess.run([RAY, "job", "list"], env=self.env, capture_output=True).returncode != 0:
             assert self.process.poll() is None and time.monotonic() < deadline, "the head did not start"
             time.sleep(2)
 
-    def submit(self, working_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        command = [RAY, "job", "submit", "--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml", "--",
-                   "python", "jobs/train.py", *args]
+    def submit(self, working_dir: Path, *args: str, timeout: float = 600,
+               cli_args_first: bool = False) -> subprocess.CompletedProcess:
+        """`ray job submit` as the README writes it; with cli_args_first, args[0] goes to `ray job submit`."""
+        submit_args, args = (args[:1], args[1:]) if cli_args_first else ((), args)
+        command = [RAY, "job", "submit", *submit_args, "--working-dir", ".", "--runtime-env",
+                   "jobs/runtime_env.yaml", "--", "python", "jobs/train.py", *args]
         for _ in range(30):  # a fresh head answers `ray job list` before its job agent takes jobs
             done = subprocess.run(command, cwd=working_dir, env=self.env, capture_output=True, text=True,
                                   timeout=timeout)
@@ -120,24 +131,63 @@ def test_with_a_ray_start_cluster_running_train_starts_its_own_and_auto_attaches
     assert attached.stdout.split("GCS ")[1].split()[0].endswith(f":{small_head.port}")
 
 
-def test_readme_job_runs_and_a_resubmitted_job_continues_after_an_edit(tmp_path):
+def wait_for_log(head: Head, job_id: str, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = subprocess.run([RAY, "job", "logs", job_id], env=head.env, capture_output=True, text=True).stdout
+        if text in logs:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{text!r} not in the job's log after {timeout} s:\n{logs[-3000:]}")
+
+
+def job_status(head: Head, job_id: str) -> str:
+    done = subprocess.run([RAY, "job", "status", job_id], env=head.env, capture_output=True, text=True)
+    return done.stdout + done.stderr
+
+
+def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_same_model(tmp_path):
+    """The README's job flow: `ray job stop` mid-run ends the run at the next outer step with a checkpoint and
+    `stopped: true`; the same command submitted again after an edit to the working directory continues and
+    ends with the θ_global and data fingerprint of a run that was never stopped."""
+    from ray_diloco.cli import main
+
     head = Head(4, tmp_path)  # the README: `ray start --head --num-cpus 4`
     try:
         clone, storage = repository_copy(tmp_path), tmp_path / "results"
-        flags = ["--regions", "2", "--inner-steps", "3", "--checkpoint-every", "1", "--run-name", "resubmit",
-                 "--output-dir", str(storage)]
-        first = head.submit(clone, *flags, "--outer-steps", "1")
-        assert first.returncode == 0, first.stdout[-4000:]
-        assert (storage / "resubmit" / "summary.json").is_file()
+        flags = ["--regions", "2", "--inner-steps", "6", "--outer-steps", "4", "--checkpoint-every", "2",
+                 "--run-name", "stopped", "--output-dir", str(storage)]
+        started = head.submit(clone, "--no-wait", *flags, cli_args_first=True)
+        assert started.returncode == 0, started.stdout[-3000:]
+        job_id = started.stdout.split("raysubmit_", 1)[1].split()[0].strip("'\"")
+        job_id = f"raysubmit_{job_id}"
+        wait_for_log(head, job_id, "outer step 1/4 synced", timeout=300)
+        stop = subprocess.run([RAY, "job", "stop", job_id], env=head.env, capture_output=True, text=True, timeout=400)
+        assert stop.returncode == 0 and "was stopped" in job_status(head, job_id), stop.stdout[-2000:] + stop.stderr
+        first = json.loads((storage / "stopped" / "summary.json").read_text())
+        assert first["stopped"] and 1 <= max(r["outer_step"] for r in first["rounds"]["region-a"]) + 1 < 4
+
         (clone / "ray_diloco" / "__init__.py").write_text(  # any edit: Ray uploads a new package
             (clone / "ray_diloco" / "__init__.py").read_text() + "\n# edited between the two submits\n")
-        second = head.submit(clone, *flags, "--outer-steps", "2")
+        second = head.submit(clone, *flags)
         assert second.returncode == 0, second.stdout[-4000:]
-        assert "continuing run resubmit from outer steps {'region-a': 1, 'region-b': 1}" in second.stdout
-        summary = json.loads((storage / "resubmit" / "summary.json").read_text())
-        for region in ("region-a", "region-b"):
-            assert [r["outer_step"] for r in summary["rounds"][region]] == [1]  # only the new round ran
-        assert summary["regions_agree"]
-        assert [e["event"] for e in summary["events"]].count("resumed") == 2
+        assert "continuing run stopped from outer steps" in second.stdout, second.stdout[-4000:]
+        resumed = json.loads((storage / "stopped" / "summary.json").read_text())
     finally:
         head.stop()
+    assert not resumed["stopped"] and resumed["regions_agree"]
+    assert [e["event"] for e in resumed["events"]].count("resumed") == 2
+
+    # The same run, never stopped (a private local Ray in this process, shut down after it).
+    import ray
+
+    try:
+        assert main(["train", *flags[:-4], "--run-name", "whole", "--output-dir", str(storage)]) == 0
+    finally:
+        ray.shutdown()
+    whole = json.loads((storage / "whole" / "summary.json").read_text())
+    assert resumed["data_fingerprint"] == whole["data_fingerprint"]  # no window twice, none skipped
+    a, b = (load_file(storage / name / "model" / "model.safetensors") for name in ("stopped", "whole"))
+    assert a.keys() == b.keys()
+    for key in a:  # the same θ_global, to the fp16 wire's rounding
+        assert torch.allclose(a[key], b[key], rtol=0, atol=1e-3), key

@@ -52,13 +52,14 @@ def test_region_with_nonfinite_delta_sits_out_and_resyncs_to_the_other(tmp_path)
             return await asyncio.gather(good.exchange(0, 0, 1, good_shards, tokens=1000),
                                         bad.exchange(0, 0, 1, bad_shards, tokens=1000))
 
-        (good_step, good_rows), (bad_step, bad_rows) = asyncio.run(both())
+        (good_step, good_rows, good_stop), (bad_step, bad_rows, bad_stop) = asyncio.run(both())
     finally:
         for actor in (bad, good):
             if actor is not None:
                 actor.shutdown()
 
     assert good.last_round()["group_size"] == 1 and good.last_round()["peers"] == ["r0"]
+    assert not good_stop and not bad_stop  # nobody asked the run to stop
     assert good_step == bad_step == 1 == bad.outer_step()
     assert bad.digest() == good.digest() == state_digest(bad_rows) == state_digest(good_rows)
     assert all(torch.isfinite(t).all() for t in bad_rows.values())

@@ -1,0 +1,169 @@
+"""Prometheus for real: Debian's `prometheus` scrapes Ray's metrics agent (through the service-discovery
+file Ray's own scrape config names) while one short 2-region DiLoCo run trains; then every query of the
+Grafana board (cluster/grafana/ray-diloco.json) is run against Prometheus' HTTP API and must return series
+for both regions with plausible values: loss finite and falling, bytes > 0, outer step = T, both regions in
+every round. The same run checks the driver's live summary lines and loss.png. Skips where the
+`prometheus` binary is not installed (`.ci/run` installs it with apt-get where it can)."""
+
+import json
+import math
+import pathlib
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+import uuid
+
+import pytest
+import ray
+import yaml
+
+from conftest import small_run
+from test_metrics import board_exprs
+
+from ray_diloco import metrics
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the `prometheus` binary is not installed "
+                                "(Debian: apt-get install prometheus; .ci/run does it where apt-get works)")
+T = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.5)
+
+
+def api(port: int, path: str, **params) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    answer = json.load(urllib.request.urlopen(url, timeout=30))
+    assert answer["status"] == "success", answer
+    return answer["data"]
+
+
+@pytest.fixture(scope="module")
+def ray_with_prometheus(tmp_path_factory):
+    # The core workers report to the metrics agent every second (default 10 s), Prometheus scrapes every second.
+    # With the dashboard: its metrics head writes Ray's scrape config and service-discovery file.
+    ray.init(address="local", num_cpus=8, include_dashboard=True,
+             _system_config={"metrics_report_interval_ms": 1000})
+    session = ray._private.worker._global_node.get_session_dir_path()
+    ray_yml = pathlib.Path(session, "metrics", "prometheus", "prometheus.yml")
+    wait_until(ray_yml.exists, 60, f"Ray to write {ray_yml}")
+    sd_files = yaml.safe_load(ray_yml.read_text())["scrape_configs"][0]["file_sd_configs"][0]["files"]
+    wait_until(lambda: all(pathlib.Path(f).exists() for f in sd_files), 60, f"Ray to write {sd_files}")
+    assert all(f.startswith(session) for f in sd_files), sd_files  # this cluster's nodes, not another Ray's
+    work = tmp_path_factory.mktemp("prometheus")
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": sd_files, "refresh_interval": "5s"}]}]}
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    process = subprocess.Popen([PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
+                                f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={work / 'data'}"],
+                               stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2)
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, (work / "prometheus.log").read_text()
+                time.sleep(0.5)
+        yield port
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        ray.shutdown()
+
+
+def series_by(result: list[dict], label: str) -> dict[str, list[float]]:
+    return {s["metric"].get(label, ""): [float(v) for _, v in s["values"]] for s in result}
+
+
+def test_every_board_query_returns_both_regions(ray_with_prometheus, tmp_path, capfd):
+    from ray_diloco.driver import run_training
+
+    port = ray_with_prometheus
+    name = f"prom-{uuid.uuid4().hex[:6]}"
+    started = time.time()
+    cfg = small_run(tmp_path, name, [1, 1], inner_steps=4, outer_steps=T, eval_every=1)
+    summary = run_training(cfg)
+    assert summary["regions_agree"]
+
+    # The driver's live lines, its last line, and the picture.
+    out = capfd.readouterr().out
+    assert f"[driver] outer {T}/{T}" in out, out[-3000:]
+    png = tmp_path / name / "loss.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"[driver] loss curves: {png}" in out
+    assert set(summary["loss_curve"]) == {"r0", "r1"} and len(summary["loss_curve"]["r0"]) == 4 * T
+
+    # Prometheus has the last values once the agent reported (1 s) and it scraped (1 s).
+    time.sleep(6)
+    end = time.time()
+    for expr in board_exprs():
+        query = expr.replace("$run", name)
+        result = api(port, "query_range", query=query, start=started, end=end, step="1s")["result"]
+        assert result, f"no series for {query}"
+        values = {tuple(sorted(s["metric"].items())): [float(v) for _, v in s["values"]] for s in result}
+        assert all(math.isfinite(v) for vs in values.values() for v in vs), query
+        if "by (region" in query:
+            assert {s["metric"]["region"] for s in result} == {"r0", "r1"}, (query, result)
+        check_plausible(query, result, summary)
+
+
+def check_plausible(query: str, result: list[dict], summary: dict) -> None:
+    metric = query.split("(")[-1].split("{")[0]
+    last = {s["metric"].get("region", s["metric"].get("run")): float(s["values"][-1][1]) for s in result}
+    if "rate(" in query:
+        assert max(max(float(v) for _, v in s["values"]) for s in result) > 0, query
+    elif metric == "ray_ray_diloco_inner_loss":
+        for region, losses in series_by(result, "region").items():
+            assert losses[-1] < losses[0], f"{region}: loss did not fall: {losses}"
+    elif metric == "ray_ray_diloco_outer_step":
+        assert set(last.values()) == {T}, last
+    elif metric == "ray_ray_diloco_round_regions":
+        assert set(last.values()) == {2}, last
+    elif metric in ("ray_ray_diloco_bytes_sent_total", "ray_ray_diloco_bytes_received_total"):
+        assert all(v > 0 for v in last.values()), last
+        key = "comm_bytes_sent" if "sent" in metric else "comm_bytes_received"
+        assert last == {r: float(b) for r, b in summary[key].items()}, (last, summary[key])
+    elif metric == "ray_ray_diloco_eval_loss":
+        assert last == {summary["run"]: pytest.approx(summary["eval_curve"][-1]["eval_loss"])}
+        assert list(last.values())[0] < summary["eval_loss_at_start"]
+    elif metric == "ray_ray_diloco_eval_perplexity":
+        assert list(last.values())[0] == pytest.approx(math.exp(summary["eval_curve"][-1]["eval_loss"]), rel=1e-3)
+    elif metric == "ray_ray_diloco_outer_round_seconds":
+        phases = {s["metric"]["phase"] for s in result}
+        assert phases == {"wait_for_shards", "all_reduce", "apply"}, phases
+        assert all(float(v) >= 0 for s in result for _, v in s["values"])
+    elif metric in ("ray_ray_diloco_compute_utilization", "ray_ray_diloco_mfu"):
+        assert all(0 < v <= 1 for v in last.values()), (metric, last)
+    elif metric in ("ray_ray_diloco_tokens_per_second", "ray_ray_diloco_inner_step_seconds",
+                    "ray_ray_diloco_learning_rate"):
+        assert all(v > 0 for v in last.values()), (metric, last)
+    elif metric == "ray_ray_diloco_tokens_total":
+        tokens = {r["name"]: None for r in summary["regions"]}
+        assert sum(last.values()) == summary["tokens"] and set(last) == set(tokens), (last, summary["tokens"])
+    elif metric == "ray_ray_diloco_events_total":
+        started = {s["metric"]["region"] for s in result if s["metric"]["event"] == "sync_actor_started"}
+        assert started == {"r0", "r1"}, result
+    elif metric == "ray_ray_diloco_skipped_records":
+        assert last == {summary["run"]: float(summary["skipped_records"])}, last
+    else:
+        raise AssertionError(f"no plausibility check for {metric}: add one")
+    assert metric in metrics.EXPORTED_NAMES
