@@ -155,7 +155,7 @@ class OuterConfig:
     nesterov: bool = True
     inner_steps: int = 20
     """H: inner steps between two outer steps (the DiLoCo paper uses 500)."""
-    compression: str = "fp16"
+    compression: str = "scaled-fp16"
     """Codec of pseudo-gradients on the wire between regions; accumulation is always fp32. 'scaled-fp16' (a
     power-of-two scale per tensor part: no clamping at ±65504, no flush of tiny values) costs 4 bytes per part."""
     matchmaking_seconds: float = 30.0

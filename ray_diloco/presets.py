@@ -37,7 +37,7 @@ def _opendiloco_optimizers() -> tuple[InnerOptConfig, OuterConfig]:
         grad_clip=1.0, precision="auto",
     )
     outer = OuterConfig(
-        lr=0.7, momentum=0.9, nesterov=True, inner_steps=500, compression="fp16",
+        lr=0.7, momentum=0.9, nesterov=True, inner_steps=500, compression="scaled-fp16",
         matchmaking_seconds=30.0, averaging_timeout=600.0,
     )
     return inner, outer
