@@ -82,6 +82,7 @@ class SyncActorImpl:
                                       ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False)
         self._rounds: dict[int, _PendingRound] = {}
         self.stop_requested = False
+        self._published_group = 0  # group size of the round behind our published record
         self.history: list[dict] = []
         self.bytes_sent = self.bytes_received = 0
         self.sync_seconds = 0.0
@@ -156,6 +157,9 @@ class SyncActorImpl:
 
     def _publish(self, group_size: int) -> None:
         self.sharer.publish(self._own_record(group_size), state=self._snapshot(), verify=False)
+        # Our vote in choose_canonical must be the record the others see: voting with another group size
+        # made two diverged regions each prefer the other's state and swap states every round.
+        self._published_group = group_size
 
     def _adopt(self, want, kind: str) -> bool:
         """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord)."""
@@ -235,7 +239,7 @@ class SyncActorImpl:
         from ray_diloco.state_sharing import needs_resync
 
         records = self.sharer.records()
-        target = needs_resync(self._own_record(0), records)
+        target = needs_resync(self._own_record(self._published_group), records)
         if target is not None:
             self._adopt(target, "resync")
         # Every region with a live record counts, also one still catching up: it re-syncs at its next

@@ -98,3 +98,27 @@ def test_a_region_resumed_from_an_older_checkpoint_catches_up_when_the_driver_as
                 actor.shutdown()
     assert behind.digest() == ahead.digest() == state_digest(theta)
     assert [e["event"] for e in behind.events] == ["region_joined"]
+
+
+def test_two_diverged_regions_agree_on_one_state_instead_of_swapping(tmp_path):
+    """Both regions alone in a round (one was later than the matchmaking window), same step, different θ: before
+    the next round both must adopt the same canonical state. Each used to vote with group size 0 against the
+    other's published 1, so each adopted the other's state, and they swapped again after every round."""
+    cfg = config(tmp_path, "swap", [1, 1], matchmaking_seconds=MM)
+    a = SyncActorImpl(cfg, "r0")
+    b = None
+    try:
+        b = SyncActorImpl(cfg, "r1", initial_peers=a.multiaddrs())
+        for actor, seed in ((a, 5), (b, 6)):  # each went alone through round 4 (group of 1)
+            actor._set_state(5, trained(actor, seed), {})
+            actor._publish(group_size=1)
+        assert a.digest() != b.digest()
+        a._resync_and_count_regions()
+        b._resync_and_count_regions()
+        agreed = a.digest() == b.digest()
+    finally:
+        for actor in (b, a):
+            if actor is not None:
+                actor.shutdown()
+    assert agreed, "the regions swapped states instead of agreeing"
+    assert len([e for e in a.events + b.events if e["event"] == "resync"]) == 1  # exactly one adopted
