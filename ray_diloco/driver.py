@@ -206,6 +206,17 @@ class TrainingOutcome:
     data_counts: dict[str, int]
 
 
+def canonical_index(stats: list[dict]) -> int:
+    """Which finished region's θ_global the run exports: the canonical state by the rule every region uses to
+    re-sync (`state_sharing.choose_canonical`: highest step, then the digest most regions hold, ...)."""
+    from ray_diloco.state_sharing import StateRecord, choose_canonical
+
+    records = [StateRecord(s["region"], s["outer_step"], s["digest"], s["rounds"][-1]["group_size"] if s["rounds"]
+                           else 0) for s in stats]
+    chosen = choose_canonical(records)
+    return next(i for i, s in enumerate(stats) if s["region"] == chosen.region)
+
+
 def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict[str, int | None], windows,
                  num_params: int, before_shutdown: Callable[[list[Any]], None] | None) -> TrainingOutcome:
     """Start the run-scoped actors and one Ray Train group per region (or baseline group), wait for them."""
@@ -241,7 +252,8 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
         if cfg.run.mode == "diloco":
             stats = ray.get([actors[i].stats.remote() for i in finished])
             stats[0].setdefault("events", []).extend(departures)
-            final_state = ray.get(actors[finished[0]].global_state.remote())
+            exported = canonical_index(stats)  # not simply the first region: the state every region would adopt
+            final_state = ray.get(actors[finished[exported]].global_state.remote())
             if before_shutdown is not None:
                 before_shutdown(actors)
         else:
@@ -293,6 +305,7 @@ def _stop_sync_actor(actor: Any) -> None:
 def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: TrainingOutcome, eval_start: float,
                   eval_loss: float, eval_ppl: float, wall: float, num_params: int) -> dict[str, Any]:
     stats, workers = outcome.stats, outcome.worker_results
+    exported = state_digest(outcome.final_state)
     mean = lambda values: sum(values) / len(values)  # noqa: E731  (over the finished groups' rank 0)
     return {
         "mode": cfg.run.mode,
@@ -320,6 +333,9 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
         "skipped_records": outcome.data_counts["skipped"],
         "dropped_tail_tokens": outcome.data_counts["tail_dropped"],
         "regions_agree": len({s["digest"] for s in stats}) == 1,
+        # The exported θ_global is the canonical one; regions that finished holding another state are named.
+        "exported_digest": exported,
+        "disagreeing_regions": sorted(s["region"] for s in stats if s["digest"] != exported),
         "global_digest": {s["region"]: s["digest"] for s in stats},
         "rounds": {s["region"]: s["rounds"] for s in stats},
         "events": sorted((e for s in stats for e in s.get("events", [])), key=lambda e: e["time"]),

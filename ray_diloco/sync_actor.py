@@ -303,6 +303,11 @@ class SyncActorImpl:
         if self.sharer is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._resync_and_count_regions)
         outer_step = self.outer.step_count
+        if outer_step >= self.config.run.outer_steps:
+            # A re-sync took us to the run's last step (the others finished without us): a round now would
+            # apply our stale Δ alone and end past T with a θ_global nobody else holds.
+            self.record_event("round_skipped_at_end", workers_step=workers_step)
+            return {name: t.clone() for name, t in self.outer.global_state().items()}
         tokens = sum(pending.tokens_by_rank.values())
         weight = float(max(tokens, 1))
         compression = self.config.outer.compression

@@ -95,3 +95,15 @@ def test_resources_that_do_not_fit_are_one_line_naming_the_fix():
     gpu = dataclasses.replace(cfg, regions=[dataclasses.replace(r, gpus_per_worker=1) for r in cfg.regions])
     with pytest.raises(ConfigError, match="^the run needs 2 GPU"):
         check_fits(run_needs(gpu, training_groups(gpu)), {"CPU": 64.0}, None)
+
+
+def test_the_exported_state_is_the_canonical_one_not_the_first_regions():
+    from ray_diloco.driver import canonical_index
+
+    def stats(region, step, digest, group):
+        return {"region": region, "outer_step": step, "digest": digest, "rounds": [{"group_size": group}]}
+
+    # The highest step wins (the others would re-sync to it), even when it is not the first region...
+    assert canonical_index([stats("a", 3, "x", 1), stats("b", 4, "y", 2)]) == 1
+    # ... and at equal steps the digest most regions hold, whatever the order.
+    assert canonical_index([stats("a", 3, "z", 1), stats("b", 3, "y", 2), stats("c", 3, "y", 2)]) == 1

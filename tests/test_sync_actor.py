@@ -122,3 +122,25 @@ def test_two_diverged_regions_agree_on_one_state_instead_of_swapping(tmp_path):
                 actor.shutdown()
     assert agreed, "the regions swapped states instead of agreeing"
     assert len([e for e in a.events + b.events if e["event"] == "resync"]) == 1  # exactly one adopted
+
+
+def test_a_region_late_for_the_last_round_ends_at_t_with_the_others_state(tmp_path):
+    """The other region went alone through the last round and finished at T; the late one re-syncs to T and must
+    not run a round of its own past T (it used to apply its stale Δ alone and end at T+1, diverged)."""
+    cfg = config(tmp_path, "overshoot", [1, 1], matchmaking_seconds=MM, outer_steps=3)
+    done = SyncActorImpl(cfg, "r0")
+    late = None
+    try:
+        late = SyncActorImpl(cfg, "r1", initial_peers=done.multiaddrs())
+        done._set_state(3, trained(done, 7), {})
+        done._publish(group_size=1)
+        late._set_state(2, trained(late, 8), {})
+        late._publish(group_size=2)
+        step, rows, _ = asyncio.run(late.exchange(2, 0, 1, trained(late, 9), tokens=1000))
+    finally:
+        for actor in (late, done):
+            if actor is not None:
+                actor.shutdown()
+    assert step == late.outer_step() == 3
+    assert late.digest() == done.digest() == state_digest(rows)
+    assert [e["event"] for e in late.events][-2:] == ["resync", "round_skipped_at_end"]
