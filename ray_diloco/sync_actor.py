@@ -161,6 +161,16 @@ class SyncActorImpl:
         # made two diverged regions each prefer the other's state and swap states every round.
         self._published_group = group_size
 
+    def _publish_safely(self, group_size: int) -> None:
+        """Publish after an outer step. θ has advanced already, so a DHT timeout here must not fail the round
+        (progress, tokens and history would lag θ): the sharer keeps the new record and its refresher
+        thread stores it again every ttl/3."""
+        try:
+            self._publish(group_size)
+        except Exception as error:
+            self._published_group = group_size
+            self.record_event("dht_error", during="publishing the state record", error=repr(error)[:300])
+
     def _adopt(self, want, kind: str) -> bool:
         """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord)."""
         state = self.sharer.load_from_peers(want, timeout=self.config.outer.averaging_timeout)
@@ -238,7 +248,11 @@ class SyncActorImpl:
         and expect as many regions as publish a live record (departed ones expire, joined ones appear)."""
         from ray_diloco.state_sharing import needs_resync
 
-        records = self.sharer.records()
+        try:
+            records = self.sharer.records()
+        except Exception as error:  # a DHT that did not answer in time must not end the region's group
+            self.record_event("dht_error", during="reading state records", error=repr(error)[:300])
+            return  # this round: no re-sync, the last known group size
         target = needs_resync(self._own_record(self._published_group), records)
         if target is not None:
             self._adopt(target, "resync")
@@ -342,7 +356,7 @@ class SyncActorImpl:
         self._digest = state_digest(new_global)
         if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
             group = record["group_size"] if record["consistent"] else 1
-            await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish(group))
+            await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish_safely(group))
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens
@@ -374,7 +388,7 @@ class SyncActorImpl:
                 None, self._resync_from_newer, own_step):
             raise RuntimeError(f"region {self.region}: pseudo-gradient has {bad} non-finite values and no other "
                                f"region holds a newer state to re-sync from; lower inner.lr or check the data")
-        await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish(0))
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish_safely(0))
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         # Its tokens went into no average: not counted. group_size 0: this region took part in no round.

@@ -144,3 +144,38 @@ def test_a_region_late_for_the_last_round_ends_at_t_with_the_others_state(tmp_pa
     assert step == late.outer_step() == 3
     assert late.digest() == done.digest() == state_digest(rows)
     assert [e["event"] for e in late.events][-2:] == ["resync", "round_skipped_at_end"]
+
+
+def test_a_dht_timeout_around_a_round_is_an_event_not_the_end_of_the_region(tmp_path):
+    """Reading the records before the round and publishing after it time out (a DHT that did not answer): the
+    round still completes with both regions, θ, tokens and history move together, and the new record is kept
+    for the sharer's refresher to store again."""
+    cfg = config(tmp_path, "dht-timeout", [1, 1], matchmaking_seconds=MM)
+    a = SyncActorImpl(cfg, "r0")
+    b = None
+    try:
+        b = SyncActorImpl(cfg, "r1", initial_peers=a.multiaddrs())
+        store = a.sharer._store_locked
+
+        def fail(*args, **kwargs):
+            raise TimeoutError("the DHT did not answer")
+
+        a.sharer.records = fail
+        a.sharer._store_locked = fail
+
+        async def both():
+            return await asyncio.gather(a.exchange(0, 0, 1, trained(a, 10), tokens=1000),
+                                        b.exchange(0, 0, 1, trained(b, 11), tokens=1000))
+
+        (step_a, rows_a, _), (step_b, rows_b, _) = asyncio.run(both())
+        a.sharer._store_locked = store
+        kept = a.sharer._record
+    finally:
+        for actor in (b, a):
+            if actor is not None:
+                actor.shutdown()
+    assert step_a == step_b == 1 and state_digest(rows_a) == state_digest(rows_b)
+    assert a.last_round()["group_size"] == 2 and a.tokens == 1000 and len(a.history) == 1
+    assert [e["during"] for e in a.events if e["event"] == "dht_error"] == ["reading state records",
+                                                                           "publishing the state record"]
+    assert kept.outer_step == 1  # kept: the refresher stores it again
