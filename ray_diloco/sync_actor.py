@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -82,6 +83,8 @@ class SyncActorImpl:
                                       ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False)
         self._rounds: dict[int, _PendingRound] = {}
         self.stop_requested = False
+        self._state_lock = threading.Lock()  # _set_state (executor threads) against resume_state's reads
+        self._running_round: asyncio.Event | None = None  # done-event of the round being applied now
         self._published_group = 0  # group size of the round behind our published record
         self.history: list[dict] = []
         self.bytes_sent = self.bytes_received = 0
@@ -116,7 +119,17 @@ class SyncActorImpl:
         previous = self.workers.get(rank)
         if previous is not None and previous["pid"] != pid:
             self.record_event("worker_restart", rank=rank, old_pid=previous["pid"], pid=pid)
+            self._drop_waiting_rounds(f"rank {rank} of the region restarted")
         self.workers[rank] = {"pid": pid, "host": host, "world_size": world_size}
+
+    def _drop_waiting_rounds(self, why: str) -> None:
+        """Rounds still gathering shards hold shards of the old group's (dead) ranks: a new rank must not
+        complete one of them. Their waiters, if any are alive, get an error instead of waiting forever."""
+        for step, pending in list(self._rounds.items()):
+            if pending.done is not self._running_round:
+                pending.error = RuntimeError(f"[{self.region}] round of outer step {step} dropped: {why}")
+                pending.done.set()
+                del self._rounds[step]
 
     def worker_pids(self) -> dict[int, int]:
         return {rank: w["pid"] for rank, w in self.workers.items()}
@@ -134,10 +147,6 @@ class SyncActorImpl:
 
     def outer_step(self) -> int:
         return self.outer.step_count
-
-    def global_rows(self, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-        """This rank's rows of θ_global: what a (re)starting worker loads into its FSDP shards."""
-        return rows_for_rank(self.outer.global_state(), world_size, rank)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in self.outer.global_state().items()}
@@ -184,11 +193,14 @@ class SyncActorImpl:
         return True
 
     def _set_state(self, step: int, theta: dict, momentum: dict) -> None:
+        """Replace the outer state at once (it may run in an executor thread while `resume_state` reads)."""
         cfg = self.config.outer
-        self.outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-        self.outer.load_momentum(momentum)
-        self.outer.step_count = step
-        self._digest = state_digest(self.outer.global_state())
+        outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        outer.load_momentum(momentum)
+        outer.step_count = step
+        digest = state_digest(outer.global_state())
+        with self._state_lock:
+            self.outer, self._digest = outer, digest
         metrics.safely(metrics.record_outer_step, self.config.run.name, self.region, step)
 
     def _resume_from_checkpoint(self, step: int) -> None:
@@ -200,14 +212,27 @@ class SyncActorImpl:
         self.record_event("resumed", checkpoint=self.store.location(checkpoint.outer_step), digest=self._digest)
 
     # -- checkpoints: the workers' first, then ours ----------------------------------------------------
-    def resume_point(self, rank: int) -> dict:
-        """Where a (re)starting worker of this region continues: the outer step, its data position, and the
-        worker checkpoint (inner AdamW state) of that outer step when one is committed."""
+    async def resume_state(self, rank: int, world_size: int) -> dict:
+        """Where a (re)starting worker of this region continues, all from one state: the outer step, this
+        rank's rows of θ_global, its data position, and the worker checkpoint (inner AdamW state) of that
+        outer step when one is committed. A round being applied finishes first, so a worker never takes θ_N
+        while the actor moves to θ_{N+1} (its next Δ would be computed against the wrong base)."""
+        running = self._running_round
+        if running is not None:
+            await asyncio.wait_for(running.wait(), timeout=self._await_bound())
         # A different worker count is refused where the state is used: by the worker checkpoint loader and
         # by WorkerBatches, whose position is only valid for the worker count that saved it.
-        step = self.outer.step_count
+        with self._state_lock:
+            step = self.outer.step_count
+            rows = rows_for_rank(self.outer.global_state(), world_size, rank)
         worker_checkpoint = self.committed[1] if self.committed and self.committed[0] == step else None
-        return {"outer_step": step, "progress": self.progress.get(rank), "worker_checkpoint": worker_checkpoint}
+        return {"outer_step": step, "rows": rows, "progress": self.progress.get(rank),
+                "worker_checkpoint": worker_checkpoint}
+
+    def _await_bound(self) -> float:
+        """The longest any call waits on a round: its other ranks arrive within seconds; the round itself is
+        bounded by the averaging timeout (plus a re-sync download)."""
+        return 3 * self.config.outer.averaging_timeout + 60.0
 
     async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str:
         """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,
@@ -286,11 +311,16 @@ class SyncActorImpl:
         """Called by every rank after H inner steps (`outer_step` counts the region's own rounds); returns
         the outer step now reached (ahead of the workers' count after a re-sync), the rank's rows, and
         whether to stop there (the same answer for every rank of the round)."""
+        if outer_step != self.outer.step_count:
+            raise RuntimeError(f"[{self.region}] rank {rank} exchanges outer step {outer_step}, but the region's "
+                               f"outer state is at step {self.outer.step_count}: its Δ would be computed against "
+                               "another θ_global (the worker group restarts from the current state)")
         pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
         pending.shards[rank] = shards
         pending.tokens_by_rank[rank] = tokens
         pending.progress_by_rank[rank] = progress
         if len(pending.shards) == world_size:
+            self._running_round = pending.done
             try:
                 pending.new_global = await self._run_round(outer_step, pending)
                 self.progress = dict(pending.progress_by_rank)
@@ -298,9 +328,10 @@ class SyncActorImpl:
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
             finally:
+                self._running_round = None
                 pending.done.set()
                 self._rounds.pop(outer_step, None)
-        await pending.done.wait()
+        await asyncio.wait_for(pending.done.wait(), timeout=self._await_bound())
         if pending.error is not None:
             raise pending.error
         return self.outer.step_count, rows_for_rank(pending.new_global, world_size, rank), pending.stop

@@ -134,8 +134,8 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
     SyncActor (not the init: a restarted, resumed or joining region starts from the run's current state), the
     inner AdamW state and schedule position from the worker checkpoint of that same outer step when one is
     committed, and the data position the SyncActor recorded for this rank. Returns (outer step, data position)."""
-    point = ray.get(sync_actor.resume_point.remote(rank))
-    rows = ray.get(sync_actor.global_rows.remote(rank, world_size))
+    point = ray.get(sync_actor.resume_state.remote(rank, world_size))  # one call: one consistent state
+    rows = point["rows"]
     inner_position = point["outer_step"] * inner_steps
     if point["worker_checkpoint"] is not None:
         meta = load_worker_checkpoint(point["worker_checkpoint"], model, inner_step.optimizer, rank, world_size)

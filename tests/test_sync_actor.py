@@ -179,3 +179,39 @@ def test_a_dht_timeout_around_a_round_is_an_event_not_the_end_of_the_region(tmp_
     assert [e["during"] for e in a.events if e["event"] == "dht_error"] == ["reading state records",
                                                                            "publishing the state record"]
     assert kept.outer_step == 1  # kept: the refresher stores it again
+
+
+def halves(actor: SyncActorImpl, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Two ranks' shards (dim-0 halves, as FSDP2 with 2 workers) of a slightly trained θ."""
+    from ray_diloco.sharding import rows_for_rank
+
+    full = trained(actor, seed)
+    return [rows_for_rank(full, 2, rank) for rank in range(2)]
+
+
+def test_the_worker_handshake_is_one_state_and_restarts_drop_a_dead_ranks_shards(tmp_path):
+    """A restarted group gets (outer step, rows, data position, checkpoint) in one call; shards a rank of the
+    old group left in a round are dropped (their waiter gets an error, never a hang); a step that does not match
+    the actor's is refused."""
+    cfg = config(tmp_path, "handshake", [2])
+    actor = SyncActorImpl(cfg, "r0")
+    for rank, pid in ((0, 100), (1, 101)):
+        actor.register_worker(rank, 2, pid, "host")
+
+    async def scenario():
+        old_rank0 = asyncio.ensure_future(actor.exchange(0, 0, 2, halves(actor, 1)[0], tokens=10))
+        await asyncio.sleep(0.1)  # rank 1 of the old group died before sending its shards
+        actor.register_worker(0, 2, 200, "host")  # the group restarts
+        with pytest.raises(RuntimeError, match="dropped: rank 0 of the region restarted"):
+            await old_rank0
+        state = await actor.resume_state(1, 2)
+        assert state["outer_step"] == 0 and state["worker_checkpoint"] is None
+        new = halves(actor, 2)
+        return state, await asyncio.gather(actor.exchange(0, 0, 2, new[0], tokens=10),
+                                           actor.exchange(0, 1, 2, new[1], tokens=10))
+
+    state, results = asyncio.run(scenario())
+    assert set(state["rows"]) == set(actor.shapes)  # rank 1's rows of every parameter
+    assert [step for step, _, _ in results] == [1, 1] and actor.tokens == 20  # the new ranks' round only
+    with pytest.raises(RuntimeError, match="exchanges outer step 0, but the region's outer state is at step 1"):
+        asyncio.run(actor.exchange(0, 0, 2, halves(actor, 3)[0], tokens=10))
