@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from ray_diloco.worker import region_train_loop
 logger = logging.getLogger(__name__)
 
 REGION_LABEL = "ray.io/availability-region"
+API_SERVER_ENV_VAR = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 
 
 def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionConfig]) -> None:
@@ -55,12 +57,34 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
         context = ray.init(address=address, **quiet)
         what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
     else:
-        # With the dashboard: users watch the run there, and Ray Train's placement-group cleaner needs its
-        # State API (without it, it logs "Failed to query Ray Train Controller actor state" over and over).
-        context = ray.init(address="local", num_cpus=local_cpus_for(cfg, groups, os.cpu_count() or 1), **quiet)
+        context = start_private_ray(local_cpus_for(cfg, groups, os.cpu_count() or 1), **quiet)
         what = "started a private local Ray (--address auto runs on a cluster `ray start` runs here)"
     dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     print(f"[driver] {what}{dashboard}", flush=True)
+
+
+def start_private_ray(num_cpus: int, **init_args):
+    """A local Ray of our own, with the dashboard: users watch the run there, and Ray Train's placement-group
+    cleaner needs its State API. That cleaner finds the State API through RAY_API_SERVER_ADDRESS, else through
+    the `ray start` cluster recorded under /tmp/ray: where one runs, it would ask that cluster whether our
+    Train controller is alive, hear "no such actor" and remove our workers' placement group. So the cluster's
+    processes, which inherit the environment at start, get our dashboard's address."""
+    port = _free_port()
+    previous = os.environ.get(API_SERVER_ENV_VAR)
+    os.environ[API_SERVER_ENV_VAR] = f"http://127.0.0.1:{port}"
+    try:
+        return ray.init(address="local", num_cpus=num_cpus, dashboard_port=port, **init_args)
+    finally:  # only the cluster's processes need it; this process may start other clusters later
+        if previous is None:
+            os.environ.pop(API_SERVER_ENV_VAR, None)
+        else:
+            os.environ[API_SERVER_ENV_VAR] = previous
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def job_metadata(cfg: ExperimentConfig, groups: list[RegionConfig]) -> ray.job_config.JobConfig:

@@ -130,5 +130,9 @@ def save_model(model: LlamaForCausalLM, state: dict[str, torch.Tensor], director
     for key, value in special_token_ids(tokenizer).items():
         setattr(model.config, key, value)
         setattr(model.generation_config, key, value)
+    # One small file: transformers' "Writing model shards" bar would only interleave with the driver's lines.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
