@@ -32,7 +32,7 @@ from ray_diloco.live_summary import LiveSummary
 from ray_diloco.model import build_model, count_parameters, load_parameters, save_model
 from ray_diloco.outer import state_digest
 from ray_diloco.plots import write_loss_png
-from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, local_cpus_for
+from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
 from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
 from ray_diloco.stopping import GracefulStop
 from ray_diloco.sync_actor import SyncActor
@@ -57,7 +57,10 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
         context = ray.init(address=address, **quiet)
         what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
     else:
-        context = start_private_ray(local_cpus_for(cfg, groups, os.cpu_count() or 1), **quiet)
+        cpus = local_cpus_for(cfg, groups, os.cpu_count() or 1)
+        # This machine is the whole cluster: a run it cannot hold (GPUs it lacks) fails before Ray starts.
+        check_fits(run_needs(cfg, groups), {"CPU": cpus, "GPU": torch.cuda.device_count()}, None)
+        context = start_private_ray(cpus, **quiet)
         what = "started a private local Ray (--address auto runs on a cluster `ray start` runs here)"
     dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     print(f"[driver] {what}{dashboard}", flush=True)

@@ -62,3 +62,11 @@ def test_records_without_text_are_refused_before_ray(tmp_path):
     assert done.returncode == 2 and "--data: " in done.stderr and "'text'" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and seconds < 5
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gpu_preset_on_a_machine_without_gpus_fails_before_ray_starts(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU: the 150m preset could start here")
+    done, seconds = cli("--preset", "150m", "--output-dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 2 and "the run needs 16 GPU" in done.stderr, done.stderr
+    assert "started a private local Ray" not in done.stdout and not (tmp_path / "out").exists()
