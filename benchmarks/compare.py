@@ -39,6 +39,7 @@ from ray_diloco.driver import run_training
 from ray_diloco.presets import tiny_cpu
 
 DEFAULT_OUTPUT_DIR = "runs/compare"
+ARMS_DIR = "arms"  # the runs of one invocation, started afresh each time: never a user's runs beside them
 # Arms in table order: (label, mode, compression). Compression only matters for diloco.
 ARMS = (("ddp", "ddp", "none"), ("diloco-none", "diloco", "none"), ("diloco-fp16", "diloco", "fp16"),
         ("diloco-scaled-fp16", "diloco", "scaled-fp16"),
@@ -108,7 +109,7 @@ def base_config(args: argparse.Namespace) -> ExperimentConfig:
     outer = dataclasses.replace(cfg.outer, inner_steps=args.inner_steps, matchmaking_seconds=120.0,
                                 averaging_timeout=300.0)
     run = dataclasses.replace(cfg.run, outer_steps=args.outer_steps, seed=args.seed,
-                              output_dir=str(Path(args.output_dir).resolve()), eval_every=1)
+                              output_dir=str(Path(args.output_dir).resolve() / ARMS_DIR), eval_every=1)
     regions = [RegionConfig(name=f"region-{i}", workers=1) for i in range(args.workers)]
     return dataclasses.replace(cfg, data=data, outer=outer, run=run, regions=regions)
 
@@ -322,10 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     # The arms' directories are this benchmark's own: each invocation starts them afresh (a run found under
     # its name would otherwise be continued, or refused if the flags changed).
     for label in ("warm-start", *(label for label, _, _ in ARMS)):
-        shutil.rmtree(out / label, ignore_errors=True)
+        shutil.rmtree(out / ARMS_DIR / label, ignore_errors=True)
     with ray_session(args.address, args.workers):
         warm = run_training(warm_start_config(base, args.warmup_steps), address=args.address)
-    init_from = str(out / "warm-start" / "model")
+    init_from = str(out / ARMS_DIR / "warm-start" / "model")
     summaries: dict[str, dict] = {}
     for label, mode, compression in ARMS:
         print(f"[compare] {label}: mode {mode}, wire {compression}, {base.total_inner_steps} steps per worker",

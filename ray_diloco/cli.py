@@ -21,8 +21,16 @@ def _add_config_source(parser: argparse.ArgumentParser) -> None:
                         help=f"named starting point (default: {DEFAULT_PRESET})")
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag value is one line naming the flag, exit code 2, like every other user error (argparse
+    would print the whole usage block first). `--help` still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"ray-diloco: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="ray-diloco",
         description="DiLoCo training of LLMs across regions: Ray Train FSDP2 groups per region, "
                     "Hivemind between regions.",

@@ -9,7 +9,8 @@ The registry `CODECS` is the one list of compressions (`CODEC_NAMES`); the hivem
 * 'scaled-fp16': fp16 of x·s with one fp32 scale s per tensor (per wire part on hivemind), s = 2^k the
   largest power of two with max|x|·s ≤ 65504. Multiplying and dividing by a power of two is exact in fp32,
   so the only rounding is fp16's 11 significant bits, at any magnitude: no clamping, and small tensors stay
-  out of fp16's subnormals. Costs 4 bytes (the scale) per tensor.
+  out of fp16's subnormals. Costs 4 bytes (the scale) per tensor here; on the Hivemind wire 9 bytes per part
+  message (the scale and a longer dtype tag).
 
 Every codec refuses non-finite input: fp16 would turn inf into ±65504 and pass NaN on, so one diverged
 region would silently corrupt θ_global everywhere.

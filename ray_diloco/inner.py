@@ -31,3 +31,22 @@ def build_inner_optimizer(
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
     return optimizer, scheduler
+
+
+def reset_nonfinite_state(optimizer: torch.optim.Optimizer) -> int:
+    """Forget the AdamW moments of every parameter whose state holds a NaN or inf; returns how many.
+
+    A region whose pseudo-gradient was non-finite sits the round out and takes its peers' θ_global, but one
+    NaN gradient has already poisoned its moments: the next step would make θ NaN again, and the region would
+    sit out every round after. Fresh moments (AdamW re-creates them on the next step) let it rejoin."""
+    poisoned = []
+    for param, state in optimizer.state.items():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                local = value.to_local() if hasattr(value, "to_local") else value
+                if not torch.isfinite(local).all():
+                    poisoned.append(param)
+                    break
+    for param in poisoned:
+        del optimizer.state[param]
+    return len(poisoned)

@@ -109,15 +109,22 @@ def load_saved_model(directory: str, expected: LlamaConfig) -> LlamaForCausalLM:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--init-from {directory}: no config.json there; give a run's model/ directory "
                                 "or the output of `ray-diloco export`")
+    check_saved_shape(directory, expected)
     model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def check_saved_shape(directory: str, expected: LlamaConfig) -> None:
+    """The saved model's config.json must describe the configured shape (read without loading weights, so the
+    driver checks it before Ray starts)."""
+    saved_config = LlamaConfig.from_pretrained(directory)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "tie_word_embeddings"):
-        saved, wanted = getattr(model.config, key), getattr(expected, key)
+        saved, wanted = getattr(saved_config, key), getattr(expected, key)
         if saved != wanted:
             raise ValueError(f"--init-from {directory}: saved {key}={saved} but the config asks {wanted}; "
                              "use the same model section as the run that saved it")
-    model.config._attn_implementation = "sdpa"
-    return model
 
 
 def save_model(model: LlamaForCausalLM, state: dict[str, torch.Tensor], directory: Path, tokenizer) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections import Counter
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,12 +61,17 @@ def run_file_suffix(cfg: ExperimentConfig) -> str:
 
 
 def check_writable(directory: Path, flag: str) -> None:
-    """The nearest existing ancestor of `directory` must be a writable directory."""
+    """A file can be created in the nearest existing ancestor of `directory` (tried, and removed at once:
+    `os.access` says yes to root everywhere, /proc included)."""
     existing = directory
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag}: cannot write under {existing}; give a directory you can write to")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{flag}: cannot write under {existing} ({error.strerror}); give a directory you can "
+                          "write to") from None
 
 
 def check_continuation(stored_yaml: str, cfg: ExperimentConfig, where: str) -> None:
@@ -84,15 +89,20 @@ def check_continuation(stored_yaml: str, cfg: ExperimentConfig, where: str) -> N
         logger.warning("continuing run %s with changed settings: %s", cfg.run.name, "; ".join(allowed))
 
 
-def choose_resume_steps(committed: dict[str, list[int]]) -> dict[str, int | None]:
-    """The outer checkpoint each region resumes from. The run resumes at the newest step held by the most
-    regions (a stop can land between two regions' commits; a departed region holds only old steps). A region
-    resumes from its newest checkpoint not after that step; one that has none of it (it left the run early)
-    then catches up from its peers' state, as a joining region does. Pure: tested on its own."""
-    held = Counter(step for steps in committed.values() for step in set(steps))
-    if not held:
+def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> dict[str, int | None]:
+    """The outer checkpoint each region resumes from. The regions still in the run are those whose newest
+    checkpoint is within one checkpoint `interval` of the newest of all (a stop lands between two regions'
+    commits at most that far apart; a region that left early holds only old steps). They resume together from
+    the newest step all of them hold, so none re-trains windows already averaged into θ_global; a region
+    not in that step (it left early) resumes from its own newest checkpoint before it and catches up from its
+    peers' state, as a joining region does. Pure: tested on its own."""
+    newest = {region: max(steps) for region, steps in committed.items() if steps}
+    if not newest:
         return {region: None for region in committed}
-    target = max(held, key=lambda step: (held[step], step))
+    top = max(newest.values())
+    staying = [region for region, step in newest.items() if step >= top - max(1, interval)]
+    common = set.intersection(*(set(committed[region]) for region in staying))
+    target = max(common) if common else min(newest[region] for region in staying)
     return {region: max((s for s in steps if s <= target), default=None) for region, steps in committed.items()}
 
 
@@ -102,7 +112,7 @@ def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
 
     root = cfg.run.checkpoint_root()
     stores = {r.name: CheckpointStore(join(root, r.name)) for r in cfg.regions}
-    plan = choose_resume_steps({name: store.steps() for name, store in stores.items()})
+    plan = choose_resume_steps({name: store.steps() for name, store in stores.items()}, cfg.run.checkpoint_every)
     if all(step is None for step in plan.values()):
         if cfg.run.resume:
             raise ConfigError(f"--resume: no committed checkpoint of run {cfg.run.name} under {root}; was it "
@@ -116,6 +126,15 @@ def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
     if behind:
         logger.warning("regions %s resume from older (or no) checkpoints and catch up from their peers", behind)
     return plan
+
+
+def check_init_from(cfg: ExperimentConfig) -> None:
+    from ray_diloco.model import check_saved_shape, llama_config
+
+    try:
+        check_saved_shape(cfg.run.init_from, llama_config(cfg.model, cfg.model.vocab_size, cfg.data.seq_len))
+    except (OSError, ValueError) as error:
+        raise ConfigError(str(error).splitlines()[0].replace("--init-from ", "--init-from: ", 1)) from None
 
 
 def resolve_vocab(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
@@ -155,13 +174,17 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
     except (OSError, ValueError) as error:
         raise ConfigError(f"data.tokenizer: {str(error).splitlines()[0]}") from None
     cfg = resolve_vocab(cfg, tokenizer)
+    if cfg.run.init_from:
+        check_init_from(cfg)
     out_dir = Path(cfg.run.output_dir) / cfg.run.name
     check_writable(out_dir, "--output-dir")
     if "://" not in cfg.run.checkpoint_root():
         check_writable(Path(cfg.run.checkpoint_root()), "--checkpoint-path")
     suffix = run_file_suffix(cfg)
     stored = out_dir / f"config{suffix}.yaml"
-    if stored.is_file():
+    # A run that wrote results is another run's files, whatever its checkpoints; a config.yaml alone (a run
+    # that failed before training) may be replaced. Checkpoints are compared in resume_plan.
+    if stored.is_file() and (out_dir / f"summary{suffix}.json").is_file():
         check_continuation(stored.read_text(), cfg, str(stored))
     resume = resume_plan(cfg) if cfg.run.mode == "diloco" else {r.name: None for r in cfg.regions}
     return PreparedRun(cfg, tokenizer, out_dir, suffix, resume)

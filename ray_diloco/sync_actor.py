@@ -458,5 +458,6 @@ class SyncActorImpl:
             self.averager = None
 
 
-# One CPU: the actor's averaging and outer step run beside the region's workers.
+# One CPU unless the driver asks otherwise (it passes outer.sync_actor_cpus): averaging and the outer step
+# run beside the region's workers.
 SyncActor = ray.remote(num_cpus=1, max_concurrency=64)(SyncActorImpl)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ray_diloco import metrics
 from ray_diloco.batches import WorkerBatches, combine_progress
 from ray_diloco.config import ExperimentConfig
-from ray_diloco.inner import build_inner_optimizer
+from ray_diloco.inner import build_inner_optimizer, reset_nonfinite_state
 from ray_diloco.model import build_model
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
@@ -232,6 +232,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
                 outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress()))
             load_rows(model, rows)
+            if reset_nonfinite_state(inner_step.optimizer):  # this rank's moments went NaN: start them anew
+                sync_actor.record_event.remote("inner_state_reset_nonfinite", rank=rank)
             last_sync_seconds = time.perf_counter() - sync_started
             sync_seconds_total += last_sync_seconds
             if reached != outer_step + 1:  # the SyncActor re-synced to the run's (later) outer step

@@ -61,3 +61,14 @@ def test_config_command_prints_yaml_that_reads_back(capsys):
     assert main(["config", "--preset", "150m"]) == 0
     again = ExperimentConfig.from_yaml(capsys.readouterr().out)
     assert again.regions[0].gpus_per_worker == 1.0
+
+
+@pytest.mark.parametrize("argv, flag", [(["train", "--compression", "int8"], "--compression"),
+                                        (["train", "--workers-per-region", "abc"], "--workers-per-region"),
+                                        (["bogus"], "command")])
+def test_a_bad_flag_value_is_one_line_too(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ray-diloco: error: argument ") and flag in err[0], err
