@@ -186,6 +186,7 @@ def test_fp16_sends_half_the_bytes_of_none():
     # Each of 2 peers sends half its vector and gets half back: 2 × 400k values cross the wire each way.
     assert total16 == sum(r.bytes_received for r in r16)
     assert 0.98 * 2 * 400_000 * 2 <= total16 <= 1.02 * 2 * 400_000 * 2
+    assert 0.98 * 2 * 400_000 * 4 <= total32 <= 1.02 * 2 * 400_000 * 4
     for a, b in zip(r16, r32):
         assert 0.49 <= a.bytes_sent / b.bytes_sent <= 0.51, (a.bytes_sent, b.bytes_sent)
 
