@@ -18,8 +18,6 @@ from typing import Any
 
 import yaml
 
-from ray_diloco.codecs import CODEC_NAMES
-
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
@@ -177,6 +175,9 @@ class OuterConfig:
             not self.nesterov or self.momentum > 0, "outer.nesterov", "Nesterov needs outer.momentum > 0"
         )
         _require(self.inner_steps >= 1, "outer.inner_steps", f"must be >= 1, got {self.inner_steps}")
+        # Imported here: the codec registry needs torch, and the CLI checks its inputs before torch is loaded.
+        from ray_diloco.codecs import CODEC_NAMES
+
         _require(self.compression in CODEC_NAMES, "outer.compression", f"must be one of {CODEC_NAMES}")
         _require(self.matchmaking_seconds > 0, "outer.matchmaking_seconds", "must be > 0")
         _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")

@@ -94,7 +94,7 @@ def job_metadata(cfg: ExperimentConfig, groups: list[RegionConfig]) -> ray.job_c
     """What the dashboard's Jobs page shows beside the job (under `ray job submit`, merged with the
     submission's `--metadata-json`)."""
     return ray.job_config.JobConfig(metadata={
-        "ray_diloco_run": cfg.run.name, "mode": cfg.run.mode,
+        "ray_diloco_run": cfg.run.name or "", "mode": cfg.run.mode,
         "regions": ",".join(f"{g.name}:{g.workers}" for g in groups),
         "model": f"d{cfg.model.hidden_size}-L{cfg.model.num_layers}",
         "steps": f"H={cfg.outer.inner_steps} T={cfg.run.outer_steps}"})

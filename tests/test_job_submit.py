@@ -41,8 +41,14 @@ class Head:
 
     def __init__(self, num_cpus: int, tmp: Path):
         self.port, self.dashboard_port = free_port(), free_port()
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": f"127.0.0.1:{self.port}",
+        # A home of its own, as on a fresh machine: the README's first command makes the token there, the
+        # head, its jobs and the clients read it, and the default results directory lands under it.
+        self.home = tmp / f"home-{self.port}"
+        self.home.mkdir()
+        self.env = {**os.environ, "HOME": str(self.home), "RAY_ADDRESS": f"127.0.0.1:{self.port}",
                     "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
+        subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=True)
+        self.env["RAY_AUTH_MODE"] = "token"
         self.log = open(tmp / f"head-{self.port}.log", "w")
         self.process = subprocess.Popen(
             [RAY, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={self.port}",
@@ -154,9 +160,9 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
 
     head = Head(4, tmp_path)  # the README: `ray start --head --num-cpus 4`
     try:
-        clone, storage = repository_copy(tmp_path), tmp_path / "results"
-        flags = ["--regions", "2", "--inner-steps", "6", "--outer-steps", "4", "--checkpoint-every", "2",
-                 "--run-name", "stopped", "--output-dir", str(storage)]
+        clone, storage = repository_copy(tmp_path), head.home / "ray_diloco_results"
+        # The README's command, flag for flag.
+        flags = ["--regions", "2", "--run-name", "first", "--checkpoint-every", "2", "--outer-steps", "4"]
         started = head.submit(clone, "--no-wait", *flags, cli_args_first=True)
         assert started.returncode == 0, started.stdout[-3000:]
         job_id = started.stdout.split("raysubmit_", 1)[1].split()[0].strip("'\"")
@@ -164,15 +170,15 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
         wait_for_log(head, job_id, "outer step 1/4 synced", timeout=300)
         stop = subprocess.run([RAY, "job", "stop", job_id], env=head.env, capture_output=True, text=True, timeout=400)
         assert stop.returncode == 0 and "was stopped" in job_status(head, job_id), stop.stdout[-2000:] + stop.stderr
-        first = json.loads((storage / "stopped" / "summary.json").read_text())
+        first = json.loads((storage / "first" / "summary.json").read_text())
         assert first["stopped"] and 1 <= max(r["outer_step"] for r in first["rounds"]["region-a"]) + 1 < 4
 
         (clone / "ray_diloco" / "__init__.py").write_text(  # any edit: Ray uploads a new package
             (clone / "ray_diloco" / "__init__.py").read_text() + "\n# edited between the two submits\n")
         second = head.submit(clone, *flags)
         assert second.returncode == 0, second.stdout[-4000:]
-        assert "continuing run stopped from outer steps" in second.stdout, second.stdout[-4000:]
-        resumed = json.loads((storage / "stopped" / "summary.json").read_text())
+        assert "continuing run first from outer steps" in second.stdout, second.stdout[-4000:]
+        resumed = json.loads((storage / "first" / "summary.json").read_text())
     finally:
         head.stop()
     assert not resumed["stopped"] and resumed["regions_agree"]
@@ -182,12 +188,13 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
     import ray
 
     try:
-        assert main(["train", *flags[:-4], "--run-name", "whole", "--output-dir", str(storage)]) == 0
+        assert main(["train", "--regions", "2", "--checkpoint-every", "2", "--outer-steps", "4", "--run-name", "whole",
+                     "--output-dir", str(storage)]) == 0
     finally:
         ray.shutdown()
     whole = json.loads((storage / "whole" / "summary.json").read_text())
     assert resumed["data_fingerprint"] == whole["data_fingerprint"]  # no window twice, none skipped
-    a, b = (load_file(storage / name / "model" / "model.safetensors") for name in ("stopped", "whole"))
+    a, b = (load_file(storage / name / "model" / "model.safetensors") for name in ("first", "whole"))
     assert a.keys() == b.keys()
     for key in a:  # the same θ_global, to the fp16 wire's rounding
         assert torch.allclose(a[key], b[key], rtol=0, atol=1e-3), key
