@@ -43,8 +43,11 @@ class DevTools:
         self._from_chrome, from_chrome_w = os.pipe()
 
         def child_fds():  # the pipe ends become fds 3 (commands in) and 4 (answers out) in Chromium
-            os.dup2(to_chrome_r, 3)
-            os.dup2(from_chrome_w, 4)
+            # Through high fds: a pipe end may already be 3 or 4, and dup2 onto itself keeps close-on-exec.
+            os.dup2(to_chrome_r, 200)
+            os.dup2(from_chrome_w, 201)
+            os.dup2(200, 3)
+            os.dup2(201, 4)
 
         self.process = subprocess.Popen(
             [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -88,7 +91,7 @@ class DevTools:
 
 
 def screenshot(chromium: str, url: str, token: str, out: pathlib.Path, width: int = 1500, height: int = 1600,
-               settle: float = 12.0) -> None:
+               settle: float = 12.0, log_filter: str = "") -> None:
     host = url.split("//", 1)[1].split("/", 1)[0].split(":")[0]
     with tempfile.TemporaryDirectory() as profile:
         tools = DevTools(chromium, profile, width, height)
@@ -102,6 +105,14 @@ def screenshot(chromium: str, url: str, token: str, out: pathlib.Path, width: in
             tools.send("Page.enable", session)
             tools.send("Page.navigate", session, url=url)
             time.sleep(settle)  # the dashboard is a single-page app that fetches as it renders
+            if log_filter:  # type into the driver log's Keyword box, as a user would, to show those lines
+                found = tools.send("Runtime.evaluate", session, returnByValue=True, expression=(
+                    "(() => { const box = [...document.querySelectorAll('input')].find(i => i.placeholder === "
+                    "'Keyword' || [...(i.labels || [])].some(l => l.textContent.includes('Keyword')));"
+                    " if (!box) return false; box.focus(); return true; })()"))
+                if found.get("result", {}).get("value"):
+                    tools.send("Input.insertText", session, text=log_filter)
+                    time.sleep(4)
             data = tools.send("Page.captureScreenshot", session, format="png")["data"]
             out.write_bytes(base64.b64decode(data))
         finally:
@@ -155,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(2)
         print(f"submitted {job_id}; dashboard {dashboard}", flush=True)
         deadline = time.monotonic() + 600
-        while "[driver] outer 2/" not in client.get_job_logs(job_id):  # two live summary lines on the page
+        while "[driver] outer 3/" not in client.get_job_logs(job_id):  # live summary lines to show
             status = client.get_job_status(job_id)
             if status in (JobStatus.FAILED, JobStatus.STOPPED) or time.monotonic() > deadline:
                 raise RuntimeError(f"job {job_id} {status}:\n{client.get_job_logs(job_id)[-3000:]}")
             time.sleep(2)
         out = pathlib.Path(args.out)
-        screenshot(args.chromium, f"{dashboard}/#/jobs/{job_id}", token, out)
+        screenshot(args.chromium, f"{dashboard}/#/jobs/{job_id}", token, out, log_filter="[driver]")
         print(f"wrote {out}", flush=True)
         while client.get_job_status(job_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
             time.sleep(2)
