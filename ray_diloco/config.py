@@ -34,7 +34,7 @@ _REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
 DEFAULT_OUTPUT_DIR = "~/ray_diloco_results"  # absolute once expanded, like Ray Train's ~/ray_results
 
 
-def _local_path(path: str, base: str | None = None) -> str:
+def local_path(path: str, base: str | None = None) -> str:
     """`~` expanded; a relative path joined to `base` (default: the working directory)."""
     path = os.path.expanduser(path)
     return os.path.normpath(os.path.join(base or os.getcwd(), path))
@@ -247,8 +247,8 @@ class RunConfig:
 
     def checkpoint_root(self) -> str:
         if self.checkpoint_path:
-            return self.checkpoint_path if "://" in self.checkpoint_path else _local_path(self.checkpoint_path)
-        return os.path.join(_local_path(self.output_dir), self.name, "checkpoints")
+            return self.checkpoint_path if "://" in self.checkpoint_path else local_path(self.checkpoint_path)
+        return os.path.join(local_path(self.output_dir), self.name, "checkpoints")
 
     def __post_init__(self) -> None:
         _require(

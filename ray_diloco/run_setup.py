@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, config_changes
+from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, config_changes, local_path
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def resolve_paths(cfg: ExperimentConfig) -> ExperimentConfig:
     base = os.path.expanduser("~") if in_ray_job() else os.getcwd()
 
     def absolute(path: str) -> str:
-        return path if "://" in path else os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+        return path if "://" in path else local_path(path, base)
 
     run = dataclasses.replace(cfg.run, output_dir=absolute(cfg.run.output_dir))
     if run.checkpoint_path:
