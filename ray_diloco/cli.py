@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from ray_diloco.codecs import CODEC_NAMES
+from ray_diloco.sync.codecs import CODEC_NAMES
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, fresh_run_name
 from ray_diloco.presets import DEFAULT_PRESET, PRESETS, get_preset
 

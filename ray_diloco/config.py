@@ -157,7 +157,12 @@ class OuterConfig:
     """Codec of pseudo-gradients on the wire between regions; accumulation is always fp32. 'scaled-fp16' (a
     power-of-two scale per tensor part: no clamping at ±65504, no flush of tiny values) costs 4 bytes per part."""
     matchmaking_seconds: float = 30.0
-    """How long a round waits for the other regions before it goes on with those present."""
+    """Hivemind's matchmaking window: once the ready regions ask for a group, how long the group waits for
+    all of them to find each other before it goes on with those present."""
+    max_wait_seconds: float = 300.0
+    """How long a region whose workers are in waits for the other live regions to be ready for the same round
+    (readiness records in the DHT) before it averages without them. A region slower by up to this joins every
+    round; one slower still (or gone) is counted absent and re-syncs to the others' state."""
     averaging_timeout: float = 120.0
     """Upper bound of one cross-region all-reduce."""
     initial_peers: list[str] = field(default_factory=list)
@@ -176,10 +181,11 @@ class OuterConfig:
         )
         _require(self.inner_steps >= 1, "outer.inner_steps", f"must be >= 1, got {self.inner_steps}")
         # Imported here: the codec registry needs torch, and the CLI checks its inputs before torch is loaded.
-        from ray_diloco.codecs import CODEC_NAMES
+        from ray_diloco.sync.codecs import CODEC_NAMES
 
         _require(self.compression in CODEC_NAMES, "outer.compression", f"must be one of {CODEC_NAMES}")
         _require(self.matchmaking_seconds > 0, "outer.matchmaking_seconds", "must be > 0")
+        _require(self.max_wait_seconds > 0, "outer.max_wait_seconds", "must be > 0")
         _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")
         _require(
             self.averaging_timeout > self.matchmaking_seconds,

@@ -30,12 +30,12 @@ from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
 from ray_diloco.live_summary import LiveSummary
 from ray_diloco.model import build_model, count_parameters, load_parameters, save_model
-from ray_diloco.outer import state_digest
+from ray_diloco.sync.outer import state_digest
 from ray_diloco.plots import write_loss_png
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
 from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
 from ray_diloco.stopping import GracefulStop
-from ray_diloco.sync_actor import SyncActor
+from ray_diloco.sync.actor import SyncActor
 from ray_diloco.worker import region_train_loop
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class TrainingOutcome:
 def canonical_index(stats: list[dict]) -> int:
     """Which finished region's θ_global the run exports: the canonical state by the rule every region uses to
     re-sync (`state_sharing.choose_canonical`: highest step, then the digest most regions hold, ...)."""
-    from ray_diloco.state_sharing import StateRecord, choose_canonical
+    from ray_diloco.sync.state_sharing import StateRecord, choose_canonical
 
     records = [StateRecord(s["region"], s["outer_step"], s["digest"], s["rounds"][-1]["group_size"] if s["rounds"]
                            else 0) for s in stats]

@@ -1,4 +1,4 @@
-"""Cross-region averaging over Hivemind (ray_diloco.averaging), on 127.0.0.1 with real DHTs and p2pd.
+"""Cross-region averaging over Hivemind (ray_diloco.sync.averaging), on 127.0.0.1 with real DHTs and p2pd.
 
 Regions run in threads of the test process; each has its own DHT and forks one averager per round.
 Checks that:
@@ -31,11 +31,11 @@ import time
 import pytest
 import torch
 
-from ray_diloco import averaging
-from ray_diloco.averaging import RegionAverager, RoundResult, round_prefix
-from ray_diloco.codecs import get_codec, power_of_two_scale
-from ray_diloco.hivemind_exact import ExactAllReduceRunner
-from ray_diloco.outer import weighted_average
+from ray_diloco.sync import averaging
+from ray_diloco.sync.averaging import RegionAverager, RoundResult, round_prefix
+from ray_diloco.sync.codecs import get_codec, power_of_two_scale
+from ray_diloco.sync.hivemind_exact import ExactAllReduceRunner
+from ray_diloco.sync.outer import weighted_average
 
 MM = 2.0  # matchmaking_seconds in the timing tests
 SHAPES = {"emb": (257, 96), "w": (64, 33, 3), "b": (17,), "s": ()}

@@ -1,4 +1,4 @@
-"""Wire codecs (ray_diloco.codecs and their hivemind forms in ray_diloco.hivemind_exact), no network.
+"""Wire codecs (ray_diloco.sync.codecs and their hivemind forms in ray_diloco.sync.hivemind_exact), no network.
 
 Checks that:
 * the registry is the one list of compressions, and each name has a hivemind wire form;
@@ -16,9 +16,9 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo
 
-from ray_diloco.codecs import CODEC_NAMES, CODECS, FP16_MAX, get_codec, power_of_two_scale
-from ray_diloco.hivemind_exact import decode_part, make_wire_codec
-from ray_diloco.outer import weighted_average
+from ray_diloco.sync.codecs import CODEC_NAMES, CODECS, FP16_MAX, get_codec, power_of_two_scale
+from ray_diloco.sync.hivemind_exact import decode_part, make_wire_codec
+from ray_diloco.sync.outer import weighted_average
 
 
 def test_codec_names_come_from_the_registry_and_each_has_a_wire_form():

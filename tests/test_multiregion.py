@@ -2,7 +2,7 @@
 
 Checks that after every outer step all regions hold bit-identical θ_global, that the held-out loss falls,
 that regions of different sizes train together, and that the distributed run computes DiLoCo exactly:
-the plain-PyTorch outer step of `ray_diloco.outer`, fed what each region actually sent, reproduces
+the plain-PyTorch outer step of `ray_diloco.sync.outer`, fed what each region actually sent, reproduces
 every θ_global to fp16 wire rounding (token-weighted, with the right sign).
 """
 
@@ -11,7 +11,7 @@ import ray
 from conftest import small_run
 from ray_diloco.driver import run_training
 from ray_diloco.model import build_model, parameter_state
-from ray_diloco.outer import OuterOptimizer, weighted_average
+from ray_diloco.sync.outer import OuterOptimizer, weighted_average
 
 
 def run_recording(cfg):

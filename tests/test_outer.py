@@ -7,8 +7,8 @@ pseudo-gradient (FedAvg as the lr=1, momentum=0 special case), weighted averagin
 import pytest
 import torch
 
-from ray_diloco.codecs import get_codec
-from ray_diloco.outer import OuterOptimizer, pseudo_gradient, weighted_average
+from ray_diloco.sync.codecs import get_codec
+from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, weighted_average
 
 
 def test_one_and_two_nesterov_steps_match_hand_computation():
@@ -93,7 +93,7 @@ def test_weighted_average_decodes_through_the_codec():
 
 OUTER_STEPS_SCRIPT = """
 import numpy as np, torch
-from ray_diloco.outer import OuterOptimizer, state_digest
+from ray_diloco.sync.outer import OuterOptimizer, state_digest
 # Inputs from numpy: torch.randn itself draws differently on the vectorised kernel path.
 rng = np.random.default_rng(0)
 draw = lambda *shape, scale=1.0: torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))

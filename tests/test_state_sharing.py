@@ -1,12 +1,11 @@
-"""Sharing the outer state between regions (ray_diloco.state_sharing), on 127.0.0.1 with real DHTs and p2pd.
+"""Sharing the outer state between regions (ray_diloco.sync.state_sharing), on 127.0.0.1 with real DHTs and p2pd.
 
 Three DHTs (the 2nd and 3rd join the 1st) are shared by the module; each test uses its own run id, and a loader
 never sits on the same DHT as the holder it loads from (libp2p does not dial itself). Checks that:
-* choose_canonical: the highest step wins, then the digest most regions hold, then the largest group, then the
-  smallest digest (independent of the input order); needs_resync gives None when own == canonical;
 * B loads A's (outer_step, θ, momentum) bit-identically (fp32/fp64, a scalar, a transposed tensor, tensors
   split into many chunks, no momentum at step 0); A changing its tensors in place without publishing does not
   change what is served (the published snapshot); after A republishes, B gets the new state, not the old;
+  a new phase (ready to average) reaches B's records while the served state stays the published one;
 * with X held by two regions at step 3 and Y by one, the odd one's needs_resync is X's record and
   load_from_peers(want=X) yields θ with digest X, also when the wanted holder lies (serves Y under an X record:
   the next holder of X is used) and from a holder in lazy mode (snapshot=False);
@@ -18,6 +17,7 @@ never sits on the same DHT as the holder it loads from (libp2p does not dial its
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -25,28 +25,12 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from ray_diloco.averaging import round_prefix, safe_name
-from ray_diloco.outer import state_digest
-from ray_diloco.state_sharing import StateRecord, StateSharer, choose_canonical, needs_resync, state_key
+from ray_diloco.sync.averaging import round_prefix, safe_name
+from ray_diloco.sync.outer import state_digest
+from ray_diloco.sync.policy import READY, needs_resync
+from ray_diloco.sync.state_sharing import StateRecord, StateSharer, state_key
 
 R = StateRecord
-
-
-# -- pure policy ------------------------------------------------------------------------------------------
-def test_choose_canonical_policy():
-    assert choose_canonical([]) is None
-    # majority digest at the top step wins over a larger group
-    records = [R("a", 3, "x", 2), R("b", 3, "x", 2), R("c", 3, "y", 3)]
-    assert choose_canonical(records).digest == "x"
-    # a higher step wins over any majority
-    assert choose_canonical(records + [R("d", 4, "z", 1)]) == R("d", 4, "z", 1)
-    # equal counts: the largest group, then the smallest digest; the winner is the largest-group, first region
-    assert choose_canonical([R("a", 3, "y", 1), R("b", 3, "x", 2)]) == R("b", 3, "x", 2)
-    assert choose_canonical([R("b", 3, "y", 2), R("a", 3, "x", 2)]) == R("a", 3, "x", 2)
-    tie = [R("c", 5, "q", 2), R("a", 5, "p", 2), R("b", 5, "q", 3), R("d", 5, "p", 1)]
-    for order in (tie, tie[::-1], tie[1:] + tie[:1]):  # deterministic whatever the order
-        assert choose_canonical(order) == R("b", 5, "q", 3)
-    assert choose_canonical([R("a", 0, "init", 0)]) == R("a", 0, "init", 0)
 
 
 def test_state_keys_and_round_prefixes_sanitise_run_ids_alike():
@@ -55,17 +39,6 @@ def test_state_keys_and_round_prefixes_sanitise_run_ids_alike():
         assert "." not in safe and "/" not in safe and " " not in safe
         assert state_key(run_id) == f"diloco_{safe}_state" and round_prefix(run_id, 3) == f"diloco_{safe}_r3"
     assert safe_name("run.A") != safe_name("run_A")  # equal after sanitising, told apart by the hash tag
-
-
-def test_needs_resync_policy():
-    x1, x2, y = R("a", 3, "x", 2), R("b", 3, "x", 2), R("c", 3, "y", 1)
-    assert needs_resync(y, [x1, x2, y]) == x1
-    assert needs_resync(x2, [x1, x2, y]) is None  # own == canonical
-    assert needs_resync(R("c", 2, "old", 3), [x1, x2]) == x1  # behind
-    assert needs_resync(R("c", 4, "new", 1), [x1, x2]) is None  # ahead: nothing to load
-    # own replaces its stale record and votes: 1 vs 1, own has the larger group
-    assert needs_resync(R("c", 3, "y", 3), [R("a", 3, "x", 2), R("c", 3, "stale", 1)]) is None
-    assert needs_resync(R("c", 3, "y", 1), []) is None
 
 
 # -- with DHTs --------------------------------------------------------------------------------------------
@@ -150,6 +123,9 @@ def test_load_bit_identical_then_follow_updates(dhts, sharers):
         a_state.theta["emb"].copy_(published["emb"])
         a_state.step -= 10
     assert b.records() == [a_state.record("a", 2)]
+    a.set_phase(READY)  # the record changes phase; the served state stays the published one
+    assert b.records() == [dataclasses.replace(a_state.record("a", 2), phase=READY)]
+    assert_same_state(b.load_from_peers(timeout=30), a_state)
 
     with pytest.raises(ValueError):  # a record that does not describe the state is refused
         a.publish(StateRecord("a", 2, "0" * 32, 2))

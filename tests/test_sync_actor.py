@@ -1,4 +1,4 @@
-"""The SyncActor (ray_diloco.sync_actor.SyncActorImpl, tested as a plain class) when a region's Δ is NaN/inf.
+"""The SyncActor (ray_diloco.sync.actor.SyncActorImpl, tested as a plain class) when a region's Δ is NaN/inf.
 
 Two regions in this process on 127.0.0.1 (real DHTs, averagers and state sharing), one worker each. Checks that:
 * a region whose pseudo-gradient has non-finite values sends nothing: the other region's round goes alone
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import small_run
-from ray_diloco.outer import state_digest
-from ray_diloco.sync_actor import SyncActorImpl
+from ray_diloco.sync.outer import state_digest
+from ray_diloco.sync.actor import SyncActorImpl
 
 MM = 2.0  # matchmaking_seconds: the good region waits this long for the bad one before going alone
 
@@ -104,7 +104,7 @@ def test_two_diverged_regions_agree_on_one_state_instead_of_swapping(tmp_path):
     """Both regions alone in a round (one was later than the matchmaking window), same step, different θ: before
     the next round both must adopt the same canonical state. Each used to vote with group size 0 against the
     other's published 1, so each adopted the other's state, and they swapped again after every round."""
-    cfg = config(tmp_path, "swap", [1, 1], matchmaking_seconds=MM)
+    cfg = config(tmp_path, "swap", [1, 1], matchmaking_seconds=MM, outer_steps=8)
     a = SyncActorImpl(cfg, "r0")
     b = None
     try:
@@ -113,14 +113,20 @@ def test_two_diverged_regions_agree_on_one_state_instead_of_swapping(tmp_path):
             actor._set_state(5, trained(actor, seed), {})
             actor._publish(group_size=1)
         assert a.digest() != b.digest()
-        a._resync_and_count_regions()
-        b._resync_and_count_regions()
+
+        async def next_round():
+            return await asyncio.gather(a.exchange(5, 0, 1, trained(a, 7), tokens=1000),
+                                        b.exchange(5, 0, 1, trained(b, 8), tokens=1000))
+
+        asyncio.run(next_round())
         agreed = a.digest() == b.digest()
+        rounds = [a.last_round(), b.last_round()]
     finally:
         for actor in (b, a):
             if actor is not None:
                 actor.shutdown()
     assert agreed, "the regions swapped states instead of agreeing"
+    assert [r["group_size"] for r in rounds] == [2, 2] and all(r["consistent"] for r in rounds)
     assert len([e for e in a.events + b.events if e["event"] == "resync"]) == 1  # exactly one adopted
 
 
@@ -147,10 +153,12 @@ def test_a_region_late_for_the_last_round_ends_at_t_with_the_others_state(tmp_pa
 
 
 def test_a_dht_timeout_around_a_round_is_an_event_not_the_end_of_the_region(tmp_path):
-    """Reading the records before the round and publishing after it time out (a DHT that did not answer): the
-    round still completes with both regions, θ, tokens and history move together, and the new record is kept
-    for the sharer's refresher to store again."""
+    """Reading the records and publishing time out for region a (a DHT that does not answer): nobody can see it
+    ready, so after outer.max_wait_seconds each region goes alone; a's round still completes, θ, tokens and
+    history move together, the outage is one event (not one per poll), b counts a absent, and a's new record is
+    kept for the sharer's refresher to store again."""
     cfg = config(tmp_path, "dht-timeout", [1, 1], matchmaking_seconds=MM)
+    cfg["outer"]["max_wait_seconds"] = 4.0
     a = SyncActorImpl(cfg, "r0")
     b = None
     try:
@@ -167,17 +175,18 @@ def test_a_dht_timeout_around_a_round_is_an_event_not_the_end_of_the_region(tmp_
             return await asyncio.gather(a.exchange(0, 0, 1, trained(a, 10), tokens=1000),
                                         b.exchange(0, 0, 1, trained(b, 11), tokens=1000))
 
-        (step_a, rows_a, _), (step_b, rows_b, _) = asyncio.run(both())
+        (step_a, _, _), (step_b, _, _) = asyncio.run(both())
         a.sharer._store_locked = store
         kept = a.sharer._record
     finally:
         for actor in (b, a):
             if actor is not None:
                 actor.shutdown()
-    assert step_a == step_b == 1 and state_digest(rows_a) == state_digest(rows_b)
-    assert a.last_round()["group_size"] == 2 and a.tokens == 1000 and len(a.history) == 1
-    assert [e["during"] for e in a.events if e["event"] == "dht_error"] == ["reading state records",
-                                                                           "publishing the state record"]
+    assert step_a == step_b == 1
+    assert a.last_round()["group_size"] == 1 and a.tokens == 1000 and len(a.history) == 1
+    assert [e["during"] for e in a.events if e["event"] == "dht_error"] == [
+        "reading state records", "publishing phase ready", "publishing the state record"]
+    assert [e["regions"] for e in b.events if e["event"] == "regions_absent"] == [["r0"]]
     assert kept.outer_step == 1  # kept: the refresher stores it again
 
 

@@ -8,11 +8,15 @@ Workers stay a plain training loop; checkpointing, joining and overlap live here
 
 A Δ with NaN/inf (a diverged region) never enters the average: the region sits the round out and adopts the
 newer state another region publishes, or stops with an error if no other region has one.
+
+Who is in a round, which state is canonical, when to re-sync and when to stop are decided by
+`ray_diloco.sync.policy` from the regions' DHT records; this actor reads the records and carries decisions out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -23,14 +27,18 @@ import torch
 
 from ray_diloco import metrics
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
-from ray_diloco.averaging import RegionAverager, own_result
-from ray_diloco.codecs import count_nonfinite
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
-from ray_diloco.outer import OuterOptimizer, state_digest
 from ray_diloco.sharding import assemble, rows_for_rank
+from ray_diloco.sync import policy
+from ray_diloco.sync.averaging import RegionAverager, own_result
+from ray_diloco.sync.codecs import count_nonfinite
+from ray_diloco.sync.outer import OuterOptimizer, state_digest
+from ray_diloco.sync.policy import OUT, READY, TRAINING, StateRecord
 
 logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5  # how often a waiting region reads the other regions' records again
 
 
 @dataclass
@@ -68,7 +76,7 @@ class SyncActorImpl:
         self.averager = self.sharer = None
         peers = list(initial_peers or cfg.outer.initial_peers)
         if self.expected_regions > 1 or peers:  # a DHT is only needed across regions
-            from ray_diloco.state_sharing import StateSharer
+            from ray_diloco.sync.state_sharing import StateSharer
 
             self.averager = RegionAverager(
                 run_id=cfg.run.name, region=region, expected_regions=max(2, self.expected_regions),
@@ -85,7 +93,8 @@ class SyncActorImpl:
         self.stop_requested = False
         self._state_lock = threading.Lock()  # _set_state (executor threads) against resume_state's reads
         self._running_round: asyncio.Event | None = None  # done-event of the round being applied now
-        self._published_group = 0  # group size of the round behind our published record
+        self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
+        self._dht_failing = False  # the last read of the records failed
         self.history: list[dict] = []
         self.bytes_sent = self.bytes_received = 0
         self.sync_seconds = 0.0
@@ -105,7 +114,7 @@ class SyncActorImpl:
             self._resume_from_checkpoint(resume_step)
         if self.sharer is not None:
             self._join_if_behind()
-            self._publish(group_size=0)
+            self._publish_safely(0)
         self.inner_report: dict = {}  # rank 0's last loss, tokens/s, lr (note_inner): for the live summary
         metrics.safely(metrics.record_event, cfg.run.name, region, "sync_actor_started")
         metrics.safely(metrics.record_outer_step, cfg.run.name, region, self.outer.step_count)
@@ -159,26 +168,42 @@ class SyncActorImpl:
         clone = lambda tensors: {name: t.clone() for name, t in tensors.items()}  # noqa: E731
         return self.outer.step_count, clone(self.outer.global_state()), clone(self.outer.momentum_state())
 
-    def _own_record(self, group_size: int):
-        from ray_diloco.state_sharing import StateRecord
+    def _publish(self, group_size: int, phase: str = TRAINING) -> None:
+        """Store our record (and serve the state behind it). Until the store succeeds the record counts as
+        published: the sharer keeps it and its refresher thread stores it again every ttl/3."""
+        record = StateRecord(self.region, self.outer.step_count, self._digest, group_size, phase)
+        self._published = record
+        self.sharer.publish(record, state=self._snapshot(), verify=False)
 
-        return StateRecord(self.region, self.outer.step_count, self._digest, group_size)
-
-    def _publish(self, group_size: int) -> None:
-        self.sharer.publish(self._own_record(group_size), state=self._snapshot(), verify=False)
-        # Our vote in choose_canonical must be the record the others see: voting with another group size
-        # made two diverged regions each prefer the other's state and swap states every round.
-        self._published_group = group_size
-
-    def _publish_safely(self, group_size: int) -> None:
-        """Publish after an outer step. θ has advanced already, so a DHT timeout here must not fail the round
-        (progress, tokens and history would lag θ): the sharer keeps the new record and its refresher
-        thread stores it again every ttl/3."""
+    def _publish_safely(self, group_size: int, phase: str = TRAINING) -> None:
+        """Publish after an outer step or an adoption. θ has changed already, so a DHT timeout here must not fail
+        the round (progress, tokens and history would lag θ)."""
         try:
-            self._publish(group_size)
+            self._publish(group_size, phase)
         except Exception as error:
-            self._published_group = group_size
             self.record_event("dht_error", during="publishing the state record", error=repr(error)[:300])
+
+    def _set_phase_safely(self, phase: str) -> None:
+        try:
+            self.sharer.set_phase(phase)
+            self._published = dataclasses.replace(self._published, phase=phase)
+        except Exception as error:
+            self.record_event("dht_error", during=f"publishing phase {phase}", error=repr(error)[:300])
+
+    def _read_records(self) -> list[StateRecord] | None:
+        """The live records of the run, None if the DHT did not answer in time (the policy then waits). One
+        event per outage, not one per poll."""
+        try:
+            records = self.sharer.records()
+        except Exception as error:
+            if not self._dht_failing:
+                self.record_event("dht_error", during="reading state records", error=repr(error)[:300])
+            self._dht_failing = True
+            return None
+        if self._dht_failing:
+            self._dht_failing = False
+            self.record_event("dht_recovered")
+        return records
 
     def _adopt(self, want, kind: str) -> bool:
         """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord)."""
@@ -230,9 +255,10 @@ class SyncActorImpl:
                 "worker_checkpoint": worker_checkpoint}
 
     def _await_bound(self) -> float:
-        """The longest any call waits on a round: its other ranks arrive within seconds; the round itself is
-        bounded by the averaging timeout (plus a re-sync download)."""
-        return 3 * self.config.outer.averaging_timeout + 60.0
+        """The longest any call waits on a round: its other ranks arrive within seconds; the rendezvous and the
+        settling after the last round each by max_wait; the round by the averaging timeout (plus a download)."""
+        outer = self.config.outer
+        return 2 * outer.max_wait_seconds + 3 * outer.averaging_timeout + 60.0
 
     async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str:
         """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,
@@ -256,35 +282,63 @@ class SyncActorImpl:
         before its workers start. Returns the outer step."""
         if self.sharer is not None:
             self._join_if_behind()
-            self._publish(group_size=0)
+            self._publish_safely(0)
         return self.outer.step_count
 
     def _join_if_behind(self) -> None:
         """A region starting mid-run takes the run's state before its workers take their first step."""
-        from ray_diloco.state_sharing import choose_canonical
-
-        others = [r for r in self.sharer.records() if r.region != self.region]
-        canonical = choose_canonical(others)
-        if canonical is not None and canonical.outer_step > self.outer.step_count:
-            self._adopt(canonical, "region_joined")
-
-    def _resync_and_count_regions(self) -> None:
-        """Before a round: adopt the canonical state if ours diverged (a round we missed or that failed),
-        and expect as many regions as publish a live record (departed ones expire, joined ones appear)."""
-        from ray_diloco.state_sharing import needs_resync
-
-        try:
-            records = self.sharer.records()
-        except Exception as error:  # a DHT that did not answer in time must not end the region's group
-            self.record_event("dht_error", during="reading state records", error=repr(error)[:300])
-            return  # this round: no re-sync, the last known group size
-        target = needs_resync(self._own_record(self._published_group), records)
+        records = self._read_records() or []
+        own = StateRecord(self.region, self.outer.step_count, self._digest, 0)
+        target = policy.join_target(own, records)
         if target is not None:
-            self._adopt(target, "resync")
-        # Every region with a live record counts, also one still catching up: it re-syncs at its next
-        # exchange and joins the round the others wait in. Departed regions drop out when their record expires.
-        live = {r.region for r in records} | {self.region}
-        self.averager.expected_regions = len(live)  # 1: nobody else is left, the round runs alone at once
+            self._adopt(target, "region_joined")
+
+    def _rendezvous(self, arrived: float) -> policy.Run | policy.Finish:
+        """Our workers are in (since `arrived`): follow the policy until it says run a round (with whom) or
+        finish. We say we are ready only while we hold the state we will average from (a region seen ready
+        while it still loads a peer's state would make the others' group wait for it in matchmaking)."""
+        cfg = self.config
+        ready = False
+        while True:
+            decision = policy.plan_round(
+                self._published, self._read_records(), target=cfg.run.outer_steps, arrived=arrived,
+                now=time.monotonic(), max_wait=cfg.outer.max_wait_seconds,
+                fallback_expected=1)  # the DHT is unreadable: nobody could see us ready either
+            if isinstance(decision, policy.Adopt):
+                if ready:
+                    self._set_phase_safely(TRAINING)
+                    ready = False
+                if self._adopt(decision.record, "resync"):
+                    self._publish_safely(0)
+                else:
+                    time.sleep(POLL_SECONDS)
+            elif isinstance(decision, policy.Finish):
+                return decision
+            elif not ready:
+                self._set_phase_safely(READY)
+                ready = True
+            elif isinstance(decision, policy.Wait):
+                time.sleep(max(0.0, min(POLL_SECONDS, decision.deadline - time.monotonic())))
+            else:
+                return decision
+
+    def _settle_at_end(self) -> None:
+        """After our last round: once the live regions reached the last step (or max_wait passed), take the
+        canonical state, so every region that finishes holds the same θ_global (a last round that failed
+        mid-way or went without some region leaves them different)."""
+        cfg = self.config
+        ended = time.monotonic()
+        while True:
+            decision = policy.settle_at_end(self._published, self._read_records(), target=cfg.run.outer_steps,
+                                            ended=ended, now=time.monotonic(), max_wait=cfg.outer.max_wait_seconds)
+            if isinstance(decision, policy.Finish):
+                if not decision.settled:  # the driver's summary then names the regions that disagree
+                    self.record_event("unsettled_at_end", why="the DHT did not answer before outer.max_wait_seconds")
+                return
+            if isinstance(decision, policy.Adopt) and self._adopt(decision.record, "settled_at_end"):
+                self._publish_safely(0)
+                continue
+            time.sleep(POLL_SECONDS)
 
     def recorded_rounds(self) -> list[dict]:
         return self.recorded
@@ -346,13 +400,17 @@ class SyncActorImpl:
             return await self._skip_nonfinite_round(bad, pending, start)
         reduce_started = time.perf_counter()
         if self.sharer is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._resync_and_count_regions)
+            decision = await asyncio.get_running_loop().run_in_executor(None, self._rendezvous, time.monotonic())
+            if isinstance(decision, policy.Finish):
+                # Re-synced to the run's last step (the others finished without us): a round now would apply
+                # our stale Δ alone and end past T with a θ_global nobody else holds.
+                self.record_event("round_skipped_at_end", workers_step=workers_step)
+                return {name: t.clone() for name, t in self.outer.global_state().items()}
+            if decision.absent:
+                self.record_event("regions_absent", regions=list(decision.absent),
+                                  waited_seconds=round(time.perf_counter() - reduce_started, 3))
+            self.averager.expected_regions = decision.expected
         outer_step = self.outer.step_count
-        if outer_step >= self.config.run.outer_steps:
-            # A re-sync took us to the run's last step (the others finished without us): a round now would
-            # apply our stale Δ alone and end past T with a θ_global nobody else holds.
-            self.record_event("round_skipped_at_end", workers_step=workers_step)
-            return {name: t.clone() for name, t in self.outer.global_state().items()}
         tokens = sum(pending.tokens_by_rank.values())
         weight = float(max(tokens, 1))
         compression = self.config.outer.compression
@@ -408,6 +466,9 @@ class SyncActorImpl:
             self.evaluator.evaluate.remote(outer_step + 1, {k: v.clone() for k, v in new_global.items()})
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, record["group_size"])
+        if self.sharer is not None and self.outer.step_count >= self.config.run.outer_steps:
+            await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end)
+            new_global = self.outer.global_state()  # the canonical state, if the last round left us apart
         return new_global
 
     async def _skip_nonfinite_round(self, bad: int, pending: _PendingRound, start: float) -> dict[str, torch.Tensor]:
@@ -415,6 +476,8 @@ class SyncActorImpl:
         average without it), then adopt the newer state another region publishes. Raises if there is none."""
         own_step = self.outer.step_count
         self.record_event("nonfinite_pseudo_gradient", bad_values=bad)
+        if self.sharer is not None:  # the others do not wait for us this round
+            await asyncio.get_running_loop().run_in_executor(None, self._set_phase_safely, OUT)
         if self.sharer is None or not await asyncio.get_running_loop().run_in_executor(
                 None, self._resync_from_newer, own_step):
             raise RuntimeError(f"region {self.region}: pseudo-gradient has {bad} non-finite values and no other "
@@ -432,22 +495,14 @@ class SyncActorImpl:
     def _resync_from_newer(self, own_step: int) -> bool:
         """Wait (up to outer.averaging_timeout) for another region's record past `own_step`; adopt the
         canonical one. False if none appeared or none could be loaded in time."""
-        from ray_diloco.state_sharing import choose_canonical
-
         deadline = time.monotonic() + self.config.outer.averaging_timeout
         while True:
-            try:
-                records = self.sharer.records()
-            except Exception as e:  # the DHT did not answer in time: ask again until the deadline
-                logger.warning("[%s] reading the state records failed: %r", self.region, e)
-                records = []
-            newer = [r for r in records if r.region != self.region and r.outer_step > own_step]
-            canonical = choose_canonical(newer)
-            if canonical is not None and self._adopt(canonical, "resync"):
+            newer = policy.newer_state(own_step, self.region, self._read_records() or [])
+            if newer is not None and self._adopt(newer, "resync"):
                 return True
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(0.5)
+            time.sleep(POLL_SECONDS)
 
     def shutdown(self) -> None:
         if self.sharer is not None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ray_diloco.codecs import get_codec
+from ray_diloco.sync.codecs import get_codec
 
 
 def pseudo_gradient(

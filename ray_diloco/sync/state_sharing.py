@@ -1,7 +1,7 @@
 """Sharing the outer state between regions: who holds what, which state is canonical, and loading it.
 
 Every region publishes a `StateRecord` in the DHT under a run-scoped key (subkey = region, value also carries
-its p2p peer id); `choose_canonical` / `needs_resync` are the pure policy; `StateSharer.load_from_peers`
+its p2p peer id); `ray_diloco.sync.policy` decides from them; `StateSharer.load_from_peers`
 downloads (outer_step, θ_global, momentum) from a region whose record matches the wanted one.
 
 Transport: one libp2p stream handler per region on the DHT's own p2p daemon (a `P2P.replicate` client served
@@ -21,10 +21,10 @@ under way during a publish finishes the old, consistent copy. `snapshot=False` (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,42 +36,13 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from ray_diloco.averaging import safe_name
-from ray_diloco.outer import state_digest
+from ray_diloco.sync.averaging import safe_name
+from ray_diloco.sync.outer import state_digest
+from ray_diloco.sync.policy import PHASES, TRAINING, StateRecord, choose_canonical
 
 logger = logging.getLogger(__name__)
 
 State = tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class StateRecord:
-    region: str
-    outer_step: int  # outer steps applied to the published state
-    digest: str  # state_digest(θ_global)
-    group_size: int  # regions in the round that produced it (0 for the initial state)
-
-
-def choose_canonical(records: list[StateRecord]) -> StateRecord | None:
-    """The state every region should hold: highest outer_step; then the digest held by the most regions; then
-    the largest group_size; then the smallest digest. Of the winning digest's records: largest group, then region."""
-    if not records:
-        return None
-    top = max(r.outer_step for r in records)
-    by_digest: dict[str, list[StateRecord]] = defaultdict(list)
-    for record in records:
-        if record.outer_step == top:
-            by_digest[record.digest].append(record)
-    digest = min(by_digest, key=lambda d: (-len({r.region for r in by_digest[d]}),
-                                           -max(r.group_size for r in by_digest[d]), d))
-    return min(by_digest[digest], key=lambda r: (-r.group_size, r.region))
-
-
-def needs_resync(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:
-    """The canonical record if `own` differs from it, else None. `own` replaces its region's (maybe stale)
-    record among `records` and votes for its own digest; a canonical state is never at a lower step."""
-    canonical = choose_canonical([r for r in records if r.region != own.region] + [own])
-    return None if canonical is None or canonical.digest == own.digest else canonical
 
 
 def state_key(run_id: str) -> str:
@@ -156,7 +127,7 @@ class StateSharer:
 
     def _record_value(self) -> dict:
         r = self._record
-        return dict(outer_step=r.outer_step, digest=r.digest, group_size=r.group_size,
+        return dict(outer_step=r.outer_step, digest=r.digest, group_size=r.group_size, phase=r.phase,
                     peer_id=self.peer_id.to_base58())
 
     def _refresh_periodically(self) -> None:
@@ -189,6 +160,16 @@ class StateSharer:
                 self._served = served
             self._store_locked(self._record_value())
 
+    def set_phase(self, phase: str) -> None:
+        """Store our record again with another phase (ready to average, sitting out): the served state stays."""
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+        with self._lock:
+            if self._record is None:
+                raise RuntimeError(f"[{self.region}] nothing published yet")
+            self._record = dataclasses.replace(self._record, phase=phase)
+            self._store_locked(self._record_value())
+
     def _holders(self) -> list[tuple[StateRecord, PeerID]]:
         found = self.dht.get(self.key, latest=True, return_future=True).result(timeout=self.dht_timeout)
         holders = []
@@ -196,11 +177,14 @@ class StateSharer:
             return holders
         for region, item in found.value.items():
             value = getattr(item, "value", None)
+            if not isinstance(value, dict):  # a tombstone (None): the region withdrew its record
+                continue
             try:
+                phase = str(value.get("phase", TRAINING))
                 record = StateRecord(str(region), int(value["outer_step"]), str(value["digest"]),
-                                     int(value["group_size"]))
+                                     int(value["group_size"]), phase if phase in PHASES else TRAINING)
                 holders.append((record, PeerID.from_base58(value["peer_id"])))
-            except (TypeError, KeyError, ValueError):  # a tombstone (None) or a malformed entry
+            except (TypeError, KeyError, ValueError):  # a malformed entry
                 continue
         return sorted(holders, key=lambda h: h[0].region)
 

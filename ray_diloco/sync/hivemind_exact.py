@@ -10,7 +10,7 @@ encode/decode. Each part's average is computed on exactly one peer (its reducer)
 reducer included, decodes the same bytes; decoding (fp16/bf16 -> fp32, fp32 as is, scaled fp16 times a
 power of two) is exact and deterministic, so all peers hold bit-identical results. The reducer also runs
 its *own* contribution through the codec before accumulating it, so the average is
-Σ wᵢ·decode(encode(Δᵢ)) / Σ wᵢ whichever peer reduces a part (as `ray_diloco.outer.weighted_average` and
+Σ wᵢ·decode(encode(Δᵢ)) / Σ wᵢ whichever peer reduces a part (as `ray_diloco.sync.outer.weighted_average` and
 the single-region path compute it; scaled-fp16 scales per part here, per tensor there). Every wire codec
 refuses NaN/inf.
 
@@ -45,9 +45,9 @@ CompressionBase, MSGPackSerializer, get_dht_time):
   `.began_allreduce`, `GroupInfo`, `MPFuture`; hivemind.utils.asyncio helpers (`aiter_with_timeout`,
   `amap_in_executor`, `as_aiter`, `attach_event_on_finished`, `azip`); `NoCompression`'s 2-byte "bfloat16"
   buffer format and `deserialize_torch_tensor`.
-* `ray_diloco.averaging`: the log texts "power of 2" (logger hivemind.averaging.key_manager) and "could not
+* `ray_diloco.sync.averaging`: the log texts "power of 2" (logger hivemind.averaging.key_manager) and "could not
   find a group" (hivemind.averaging.averager), which it filters and matches on.
-* `ray_diloco.state_sharing`: `DHT._get_p2p_daemon_listen_maddr` (to replicate the DHT's p2p daemon) and
+* `ray_diloco.sync.state_sharing`: `DHT._get_p2p_daemon_listen_maddr` (to replicate the DHT's p2p daemon) and
   the DownloadRequest/DownloadData protobufs of hivemind.proto.averaging_pb2 (reused for our own stream).
 """
 
@@ -77,9 +77,15 @@ from hivemind.compression import (
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import (
+    aiter_with_timeout,
+    amap_in_executor,
+    as_aiter,
+    attach_event_on_finished,
+    azip,
+)
 
-from ray_diloco.codecs import SCALE_BYTES, get_codec, require_finite
+from ray_diloco.sync.codecs import SCALE_BYTES, get_codec, require_finite
 
 logger = get_logger(__name__)
 
@@ -93,7 +99,7 @@ class _RefuseNonFinite:
 
 
 class Float16WireCompression(_RefuseNonFinite, Float16Compression):
-    """Stock fp16 bytes (finite values clamped to ±65504, as `ray_diloco.codecs` fp16)."""
+    """Stock fp16 bytes (finite values clamped to ±65504, as `ray_diloco.sync.codecs` fp16)."""
 
 
 class Float32WireCompression(_RefuseNonFinite, NoCompression):
@@ -105,7 +111,7 @@ class BFloat16WireCompression(CompressionBase):
 
     Hivemind has no BFLOAT16 compression type, but `NoCompression.extract` already decodes a "bfloat16"
     tensor whose buffer holds 2 bytes per value (its non-legacy mode), so any hivemind peer reads these
-    bytes correctly. Encoding is `ray_diloco.codecs` bf16 (round to nearest even), decoding gives fp32.
+    bytes correctly. Encoding is `ray_diloco.sync.codecs` bf16 (round to nearest even), decoding gives fp32.
     """
 
     compression_type = runtime_pb2.CompressionType.NONE
@@ -128,7 +134,7 @@ class BFloat16WireCompression(CompressionBase):
 
 
 class ScaledFloat16WireCompression(CompressionBase):
-    """`ray_diloco.codecs` scaled-fp16 per part: buffer = fp16 values of x·s, then s as 4 fp32 bytes.
+    """`ray_diloco.sync.codecs` scaled-fp16 per part: buffer = fp16 values of x·s, then s as 4 fp32 bytes.
 
     It rides on the NONE type with dtype "scaled_float16", which is no numpy dtype: a stock hivemind peer
     refuses these bytes instead of misreading them. Only `decode_part` (all our runner's receive paths)

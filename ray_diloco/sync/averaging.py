@@ -3,10 +3,10 @@
 One `RegionAverager` per region (held by the region's SyncActor). It owns a hivemind DHT node (`.dht`,
 reusable by other hivemind features) and, for each round, runs one all-reduce of Δ weighted by tokens:
 
-* Wire: any codec of `ray_diloco.codecs` ('fp16' clamped to ±65504, 'scaled-fp16' with a power-of-two
+* Wire: any codec of `ray_diloco.sync.codecs` ('fp16' clamped to ±65504, 'scaled-fp16' with a power-of-two
   scale per part, 'bf16' as 2-byte buffers hivemind's NoCompression decodes, 'none' fp32); accumulation is
   fp32. A Δ with NaN/inf is refused before the round: nothing non-finite goes on the wire. See
-  `ray_diloco.hivemind_exact` for why every peer of the group ends with the same bytes (reducers answer
+  `ray_diloco.sync.hivemind_exact` for why every peer of the group ends with the same bytes (reducers answer
   with the encoded absolute average, not a per-peer delta).
 * Round isolation: each round gets its own `ExactAverager` whose matchmaking prefix is
   ``diloco_<safe_name(run id)>_r<round>``: two runs on one DHT never mix and a late region never
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 import torch
 from hivemind import DHT
 
-from ray_diloco.codecs import CODEC_NAMES, count_nonfinite, get_codec
-from ray_diloco.hivemind_exact import ExactAverager, make_wire_codec
-from ray_diloco.outer import state_digest
+from ray_diloco.sync.codecs import CODEC_NAMES, count_nonfinite, get_codec
+from ray_diloco.sync.hivemind_exact import ExactAverager, make_wire_codec
+from ray_diloco.sync.outer import state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class RoundResult:
     bytes_received: int
     seconds: float  # wall time of the whole average() call
     consistent: bool  # False if a region dropped mid-round (reducer or sender) or the all-reduce failed
-    digest: str  # ray_diloco.outer.state_digest of `averaged`
+    digest: str  # ray_diloco.sync.outer.state_digest of `averaged`
     error: str | None = None  # why the round failed (then `averaged` is the own Δ through the codec)
     timings: dict[str, float] = field(default_factory=dict)  # startup / matchmaking+allreduce / shutdown
 

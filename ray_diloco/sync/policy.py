@@ -1,0 +1,147 @@
+"""The outer-sync protocol as pure functions: who is in a round, which state is canonical, when to re-sync,
+when to stop. No Ray, no Hivemind: the SyncActor reads the records, asks here, and carries the answer out
+(STYLE.md §3), and `tests/protocol_sim.py` drives the same functions through thousands of random schedules.
+
+Records. Every region publishes one `StateRecord` in the DHT: its outer step, the digest of its θ_global, the
+size of the group whose round produced that state, and its phase in the round at that step (training, ready to
+average, or sitting it out). A region that died stops refreshing its record and drops out when it expires.
+
+Canonical state. `choose_canonical` is a function of the records alone, and a region votes with exactly the
+record it published, so every region that reads the same records picks the same state (a region voting with
+another group size than it published made two diverged regions swap states every round, forever).
+
+Rendezvous (why readiness records). Hivemind's matchmaking forms a group from the peers that ask within one
+window; a region steadily slower than that window went alone every round and the other leapfrogged it for the
+rest of the run. A longer window would make every round wait its full length whenever a region is gone. So a
+region that is ready says so in its record, and `plan_round` waits for exactly the live regions that are not
+ready yet, up to `max_wait_seconds` after its own workers came in, then asks Hivemind for a group of the ready
+ones, which fills at once. Skew up to `max_wait_seconds` costs only the skew; a dead region costs at most its
+record's lifetime; nothing waits without a bound. (An adaptive deadline from observed lags was the other
+option: it needs history, still guesses, and a region that joins or slows down breaks its estimate.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+TRAINING = "training"  # its workers are on their inner steps towards the round at `outer_step`
+READY = "ready"  # its workers' shards are in: it waits to average the round at `outer_step`
+OUT = "out"  # it sits the round at `outer_step` out (a non-finite Δ): nobody waits for it
+PHASES = (TRAINING, READY, OUT)
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    region: str
+    outer_step: int  # outer steps applied to the published state
+    digest: str  # state_digest(θ_global)
+    group_size: int  # regions in the round that produced it (0: initial or adopted, 1: alone or failed mid-round)
+    phase: str = TRAINING
+
+
+def choose_canonical(records: list[StateRecord]) -> StateRecord | None:
+    """The state every region should hold: highest outer_step; then the digest held by the most regions; then
+    the largest group_size; then the smallest digest. Of the winning digest's records: largest group, then region."""
+    if not records:
+        return None
+    top = max(r.outer_step for r in records)
+    by_digest: dict[str, list[StateRecord]] = defaultdict(list)
+    for record in records:
+        if record.outer_step == top:
+            by_digest[record.digest].append(record)
+    digest = min(by_digest, key=lambda d: (-len({r.region for r in by_digest[d]}),
+                                           -max(r.group_size for r in by_digest[d]), d))
+    return min(by_digest[digest], key=lambda r: (-r.group_size, r.region))
+
+
+def needs_resync(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:
+    """The canonical record if `own` differs from it, else None. `own` (the record as published) replaces its
+    region's entry among `records`; a canonical state is never at a lower step than `own`."""
+    canonical = choose_canonical([r for r in records if r.region != own.region] + [own])
+    return None if canonical is None or canonical.digest == own.digest else canonical
+
+
+# -- decisions --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    """Average now with `expected` regions (this one included); `absent`: live regions not ready in time."""
+    expected: int
+    absent: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """Load this peer's state first (ours is behind or lost the canonical vote), then ask again."""
+    record: StateRecord
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Read the records again soon; give up waiting at `deadline`."""
+    deadline: float
+    waiting_on: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run's last outer step is reached: no round (a round now would overshoot past it). settled=False: the
+    region could not read the others' records before its deadline, so it ends unchecked (and says so)."""
+    settled: bool = True
+
+
+Decision = Run | Adopt | Wait | Finish
+
+
+def plan_round(own: StateRecord, records: list[StateRecord] | None, *, target: int, arrived: float,
+               now: float, max_wait: float, fallback_expected: int) -> Decision:
+    """What a region whose workers' shards are all in (since `arrived`) does next.
+
+    records: the live records (ours among them or not), None if the DHT did not answer; then the region waits
+    for it until the deadline and averages with `fallback_expected` (the last group it knew) after that.
+    """
+    deadline = arrived + max_wait
+    if records is None:
+        return Wait(deadline) if now < deadline else Run(fallback_expected)
+    canonical = needs_resync(own, records)
+    if canonical is not None:
+        return Adopt(canonical)
+    if own.outer_step >= target:
+        return Finish()
+    others = [r for r in records if r.region != own.region]
+    at_our_step = [r for r in others if r.outer_step == own.outer_step]
+    joining = 1 + sum(r.phase == READY for r in at_our_step)
+    waiting_on = tuple(sorted(r.region for r in others
+                              if not (r.outer_step == own.outer_step and r.phase in (READY, OUT))))
+    if not waiting_on:
+        return Run(joining)
+    if now >= deadline:
+        return Run(joining, absent=waiting_on)
+    return Wait(deadline, waiting_on)
+
+
+def settle_at_end(own: StateRecord, records: list[StateRecord] | None, *, target: int, ended: float,
+                  now: float, max_wait: float) -> Adopt | Wait | Finish:
+    """After a region's last round: wait (until `ended + max_wait`) for every live region to reach `target`,
+    then take the canonical state, so that every region that finishes holds the same θ_global even when the
+    last round failed mid-way or went without some region."""
+    deadline = ended + max_wait
+    if records is None:
+        return Wait(deadline) if now < deadline else Finish(settled=False)
+    behind = tuple(sorted(r.region for r in records if r.region != own.region and r.outer_step < target))
+    if behind and now < deadline:
+        return Wait(deadline, behind)
+    canonical = needs_resync(own, [r for r in records if r.outer_step >= target])
+    return Adopt(canonical) if canonical is not None else Finish()
+
+
+def join_target(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:
+    """A region starting (fresh, resumed from an older checkpoint, or late): the canonical state of the others
+    if it is ahead of ours. Never a lower step: a region resumed ahead of a stale peer keeps its own."""
+    canonical = choose_canonical([r for r in records if r.region != own.region])
+    return canonical if canonical is not None and canonical.outer_step > own.outer_step else None
+
+
+def newer_state(own_step: int, region: str, records: list[StateRecord]) -> StateRecord | None:
+    """A region that sat a round out (non-finite Δ) takes the canonical state of those past its step."""
+    return choose_canonical([r for r in records if r.region != region and r.outer_step > own_step])

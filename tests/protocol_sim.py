@@ -1,0 +1,433 @@
+"""A deterministic simulator of the outer-sync protocol: N regions in simulated time.
+
+Real: every decision (`ray_diloco.sync.policy`), the outer Nesterov step (`OuterOptimizer`), the pseudo-gradient,
+the codec's rounding on the wire (`weighted_average`, `get_codec`) and `state_digest`, on tiny tensors.
+Modelled: time (an event queue; nothing sleeps), the DHT (records that expire `ttl` after their region died, reads
+that fail while a region's DHT is down, publishes that fail and land with the sharer's next refresh), Hivemind's
+averager (a group fills at the size the regions expect or at the end of the matchmaking window; a round may fail
+mid-way, leaving each member a mix of averaged and own parts), a region's workers (H inner steps on data window
+`w` move θ by a fixed function of (region, w); the group restarts at any moment and re-takes its state through
+the handshake), departures, late joins, and a crash of a whole region that comes back from its checkpoint.
+
+`Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
+swap in the old rules one at a time and show that the properties in `violations` catch each fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ray_diloco.sync import policy
+from ray_diloco.sync.codecs import get_codec
+from ray_diloco.sync.outer import OuterOptimizer, state_digest, weighted_average
+from ray_diloco.sync.policy import READY, TRAINING, StateRecord
+
+POLL = 0.5  # as ray_diloco.sync.actor.POLL_SECONDS
+TRANSFER = 0.2  # seconds an all-reduce of the tiny tensors takes once the group formed
+COMPRESSION = "scaled-fp16"
+
+
+def default_outer_step(outer: OuterOptimizer, averaged: dict, cpu: str) -> None:
+    outer.step(averaged)
+
+
+@dataclass(frozen=True)
+class Rules:
+    plan_round: Callable = policy.plan_round
+    settle_at_end: Callable | None = policy.settle_at_end  # None: a region ends right after its last round
+    vote: Callable[[_Region], StateRecord] = lambda region: region.published  # the record a region votes with
+    publish_adoption: bool = True  # a region that adopted a state publishes it at once
+    atomic_handshake: bool = True  # a restarted group's state is taken after the round in flight
+    check_exchange_step: bool = True  # exchange refuses shards trained from another outer step
+    dht_errors_fatal: bool = False  # a DHT read that fails ends the region
+    outer_step: Callable[[OuterOptimizer, dict, str], None] = default_outer_step
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    name: str
+    window_seconds: float  # H inner steps
+    jitter: tuple[float, ...] = ()  # extra seconds of window w: jitter[w % len]
+    start_at: float = 0.0
+    depart_at: float | None = None  # gone for good
+    crash_at: float | None = None  # actor and workers die; back `downtime` later from the last checkpoint
+    restarts: tuple[float, ...] = ()  # the worker group restarts (Ray Train) at these times
+    dht_down: tuple[tuple[float, float], ...] = ()  # intervals in which this region's DHT calls fail
+    cpu: str = "default"  # the kernel path of the host of its SyncActor
+
+
+@dataclass(frozen=True)
+class Schedule:
+    regions: tuple[RegionPlan, ...]
+    target: int = 4  # run.outer_steps
+    failing_steps: frozenset[int] = frozenset()  # outer steps whose group round fails mid-way (once)
+    max_wait: float = 30.0
+    matchmaking: float = 5.0
+    ttl: float = 20.0
+    downtime: float = 15.0
+    restart_seconds: float = 2.0
+
+
+@dataclass
+class _Region:
+    plan: RegionPlan
+    outer: OuterOptimizer
+    digest: str
+    progress: int = 0  # the next data window
+    published: StateRecord | None = None
+    incarnation: int = 0
+
+
+@dataclass
+class Outcome:
+    finished: dict[str, tuple[int, str]] = field(default_factory=dict)  # region -> (step, digest) when it ended
+    rounds: list[dict] = field(default_factory=list)  # every group the averager formed
+    violations: list[str] = field(default_factory=list)  # broken invariants seen while running
+    windows: dict[str, list[int]] = field(default_factory=dict)  # data windows whose round completed, in order
+    gone: set[str] = field(default_factory=set)  # departed for good
+    dead: dict[str, str] = field(default_factory=dict)  # region -> why it ended without finishing
+    unsettled: set[str] = field(default_factory=set)  # ended without reading the others' records (DHT down)
+
+
+@dataclass
+class _Request:
+    region: str
+    step: int
+    delta: dict
+    weight: float
+    expected: int
+    state_key: tuple  # (step, θ digest, momentum digest) when it asked
+    process: object
+    incarnation: int
+
+
+def initial_theta() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 2, generator=g), "b": torch.randn(4, generator=g)}
+
+
+def window_update(region: str, window: int, like: dict) -> dict[str, torch.Tensor]:
+    """What H inner steps on data window `window` of `region` do to θ (fixed, so replays are exact)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{region}/{window}".encode()))
+    return {name: 1e-2 * torch.randn(t.shape, generator=g) for name, t in like.items()}
+
+
+def full_key(outer: OuterOptimizer) -> tuple:
+    return outer.step_count, state_digest(outer.global_state()), state_digest(outer.momentum_state())
+
+
+class Simulator:
+    def __init__(self, schedule: Schedule, rules: Rules = Rules()):
+        self.s, self.rules = schedule, rules
+        self.now = 0.0
+        self._queue: list = []
+        self._seq = 0
+        self.out = Outcome()
+        self.dht: dict[str, list] = {}  # region -> [record, expires_at]
+        self.served: dict[str, tuple] = {}  # region -> (step, digest, θ, momentum) as last published
+        self.checkpoints: dict[str, tuple] = {}  # region -> (step, θ, momentum, progress)
+        self.pending: dict[int, list[_Request]] = {}
+        self.failing = set(schedule.failing_steps)
+        self.regions: dict[str, _Region] = {}
+        self.alive: dict[str, int] = {}  # region -> live incarnation (0: down)
+        self._incarnations = 0
+
+    # -- the event loop ---------------------------------------------------------------------------------
+    def _at(self, time: float, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, (time, self._seq, action))
+
+    def run(self, horizon: float = 1e6) -> Outcome:
+        for plan in self.s.regions:
+            self._at(plan.start_at, lambda p=plan: self._start(p, resume=False))
+            for at, kind in ((plan.depart_at, "depart"), (plan.crash_at, "crash")):
+                if at is not None:
+                    self._at(at, lambda p=plan, k=kind: self._end(p.name, k))
+        while self._queue:
+            time, _, action = heapq.heappop(self._queue)
+            if time > horizon:
+                break
+            self.now = time
+            action()
+        for name, incarnation in self.alive.items():
+            if incarnation and name not in self.out.finished and name not in self.out.dead:
+                self.out.violations.append(f"liveness: {name} neither finished nor failed (stalled)")
+        for name, why in self.out.dead.items():
+            if name not in self.out.gone:
+                self.out.violations.append(f"liveness: {name} ended without finishing: {why}")
+        return self.out
+
+    def _resume(self, gen, name: str, incarnation: int, value=None) -> None:
+        if self.alive.get(name) != incarnation:
+            return  # that incarnation of the region is gone
+        try:
+            command = gen.send(value)
+        except StopIteration:
+            return
+        if isinstance(command, _Request):
+            command.process = gen
+            self._submit(command)
+        else:
+            self._at(self.now + max(float(command), 1e-6), lambda: self._resume(gen, name, incarnation))
+
+    def _start(self, plan: RegionPlan, resume: bool) -> None:
+        if plan.name in self.out.gone or (resume and plan.depart_at is not None and plan.depart_at <= self.now):
+            return
+        self._incarnations += 1  # unique: a dead incarnation's pending wake-ups must never match a new one
+        incarnation = self._incarnations
+        self.alive[plan.name] = incarnation
+        gen = self._region(plan, incarnation, resume)
+        self._resume(gen, plan.name, incarnation)
+
+    def _end(self, name: str, kind: str) -> None:
+        if kind == "depart":
+            self.out.gone.add(name)  # also while down after a crash: it does not come back
+        if name in self.out.finished or not self.alive.get(name):
+            return
+        self.alive[name] = 0
+        self.served.pop(name, None)
+        if name in self.dht:
+            self.dht[name][1] = self.now + self.s.ttl  # no more refreshes: the record expires
+        for requests in self.pending.values():
+            requests[:] = [r for r in requests if r.region != name]
+        if kind != "depart":
+            self._at(self.now + self.s.downtime, lambda: self._start(self.regions[name].plan, resume=True))
+
+    # -- the DHT --------------------------------------------------------------------------------------
+    def _dht_down(self, name: str) -> bool:
+        return any(a <= self.now < b for a, b in self.regions[name].plan.dht_down)
+
+    def read(self, name: str) -> list[StateRecord] | None:
+        if self._dht_down(name):
+            return None
+        return [rec for rec, expires in self.dht.values() if expires > self.now]
+
+    def _store(self, name: str, incarnation: int) -> None:
+        """The sharer stores its newest record; if the DHT is down it tries again at the next refresh."""
+        if self.alive.get(name) != incarnation:
+            return
+        if self._dht_down(name):
+            self._at(self.now + self.s.ttl / 3, lambda: self._store(name, incarnation))
+            return
+        self.dht[name] = [self.regions[name].published, float("inf")]
+
+    def publish(self, region: _Region, group: int, phase: str = TRAINING) -> None:
+        region.published = StateRecord(region.plan.name, region.outer.step_count, region.digest, group, phase)
+        theta = {k: v.clone() for k, v in region.outer.global_state().items()}
+        momentum = {k: v.clone() for k, v in region.outer.momentum_state().items()}
+        self.served[region.plan.name] = (region.outer.step_count, region.digest, theta, momentum)
+        self._store(region.plan.name, region.incarnation)
+
+    def _set_phase(self, region: _Region, phase: str) -> None:
+        region.published = dataclasses.replace(region.published, phase=phase)
+        self._store(region.plan.name, region.incarnation)
+
+    def adopt(self, region: _Region, want: StateRecord) -> bool:
+        holders = [v for n, v in sorted(self.served.items()) if n != region.plan.name and v[:2] == (
+            want.outer_step, want.digest)]
+        if not holders:
+            return False
+        step, digest, theta, momentum = holders[0]
+        if step < region.outer.step_count:
+            self.out.violations.append(f"monotonic: {region.plan.name} adopted step {step} at step "
+                                       f"{region.outer.step_count}")
+        outer = OuterOptimizer(theta, lr=region.outer.lr, momentum=region.outer.momentum, nesterov=True)
+        outer.load_momentum(momentum)
+        outer.step_count = step
+        region.outer, region.digest = outer, digest
+        return True
+
+    # -- the averager ---------------------------------------------------------------------------------
+    def _submit(self, request: _Request) -> None:
+        requests = self.pending.setdefault(request.step, [])
+        requests.append(request)
+        if len(requests) >= max(r.expected for r in requests):
+            self._form(request.step)
+        else:
+            self._at(self.now + self.s.matchmaking, lambda: self._form(request.step, waiting=request))
+
+    def _form(self, step: int, waiting: _Request | None = None) -> None:
+        requests = self.pending.get(step, [])
+        if waiting is not None and waiting not in requests:
+            return  # that request was in a group formed earlier
+        self.pending[step] = []
+        if not requests:
+            return
+        members = sorted(requests, key=lambda r: r.region)
+        codec = get_codec(COMPRESSION)
+        if len(members) == 1:
+            results = {members[0].region: ({k: codec.roundtrip(v) for k, v in members[0].delta.items()}, True)}
+        else:
+            average = weighted_average([m.delta for m in members], [m.weight for m in members], COMPRESSION)
+            average = {k: codec.roundtrip(v) for k, v in average.items()}  # reducers send the encoded average
+            fails = step in self.failing
+            self.failing.discard(step)
+            results = {}
+            for m in members:  # a round that fails mid-way: some parts stay each member's own
+                parts = {k: (codec.roundtrip(m.delta[k]) if fails and zlib.crc32(f"{m.region}{k}".encode()) % 2
+                             else average[k]) for k in average}
+                results[m.region] = (parts, not fails)
+        live = sorted(n for n, inc in self.alive.items() if inc and n not in self.out.finished)
+        log = {"step": step, "time": self.now, "members": [m.region for m in members], "live": live,
+               "consistent": all(c for _, c in results.values()), "before": {m.region: m.state_key for m in members},
+               "after": {}}
+        self.out.rounds.append(log)
+        for m in members:
+            averaged, consistent = results[m.region]
+            self._at(self.now + TRANSFER, lambda m=m, a=averaged, c=consistent, g=len(members):
+                     self._resume(m.process, m.region, m.incarnation, (a, c, g, log)))
+
+    # -- one region: its SyncActor and its workers -------------------------------------------------------
+    def _region(self, plan: RegionPlan, incarnation: int, resume: bool):
+        name, rules, s = plan.name, self.rules, self.s
+        theta = initial_theta()
+        if resume and name in self.checkpoints:
+            step, theta, momentum, progress = self.checkpoints[name]
+        else:
+            step, momentum, progress = 0, {}, 0
+        outer = OuterOptimizer(theta, lr=0.7, momentum=0.9, nesterov=True)
+        outer.load_momentum(momentum)
+        outer.step_count = step
+        region = _Region(plan, outer, state_digest(outer.global_state()), progress, incarnation=incarnation)
+        self.regions[name] = region
+        self.out.windows.setdefault(name, [])
+        yield 0.0
+        records = self.read(name)
+        if records is None and rules.dht_errors_fatal:
+            self.out.dead[name] = "DHT read failed while joining"
+            return
+        own = StateRecord(name, region.outer.step_count, region.digest, 0)
+        target = policy.join_target(own, records or [])
+        if target is not None:
+            self.adopt(region, target)
+        self.publish(region, 0)
+        stale_base = None  # the old handshake: a group restarted during a round took the state of before it
+        while True:
+            base_step, base_digest, base_theta = stale_base or (
+                region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
+            stale_base = None
+            window = region.progress
+            duration = plan.window_seconds + (plan.jitter[window % len(plan.jitter)] if plan.jitter else 0.0)
+            restart = next((t for t in plan.restarts if self.now < t <= self.now + duration), None)
+            if restart is not None:  # the group dies mid-window and restarts: the window is trained again
+                yield restart - self.now + s.restart_seconds
+                continue
+            yield duration
+            update = window_update(name, window, base_theta)
+            local = {k: base_theta[k] - update[k] for k in base_theta}
+            if rules.check_exchange_step and base_step != region.outer.step_count:
+                continue  # refused: the group restarts and takes the current state
+            if base_digest != region.digest:
+                self.out.violations.append(f"base: {name} sent a Δ trained from {base_digest[:6]} against "
+                                           f"{region.digest[:6]} (step {region.outer.step_count})")
+            delta = region.outer.pseudo_gradient(local)
+            arrived = self.now
+            before_round = (region.outer.step_count, region.digest,
+                            {k: v.clone() for k, v in region.outer.global_state().items()})
+            result, ready = None, False
+            while True:  # as SyncActorImpl._rendezvous
+                records = self.read(name)
+                if records is None and rules.dht_errors_fatal:
+                    self.out.dead[name] = "DHT read failed before a round"
+                    return
+                decision = rules.plan_round(rules.vote(region), records, target=s.target,
+                                            arrived=arrived, now=self.now, max_wait=s.max_wait,
+                                            fallback_expected=1)
+                if isinstance(decision, policy.Adopt):
+                    if ready:
+                        self._set_phase(region, TRAINING)
+                        ready = False
+                    if not self.adopt(region, decision.record):
+                        yield POLL
+                    elif rules.publish_adoption:
+                        self.publish(region, 0)
+                    else:
+                        yield POLL  # the old actor: the next decision reads the records again
+                elif isinstance(decision, policy.Finish):
+                    break
+                elif not ready:
+                    self._set_phase(region, READY)
+                    ready = True
+                elif isinstance(decision, policy.Wait):
+                    yield min(POLL, decision.deadline - self.now)
+                else:
+                    asked = self.now
+                    result = yield _Request(name, region.outer.step_count, delta, 1.0, decision.expected,
+                                            full_key(region.outer), None, incarnation)
+                    if self.now - asked > s.matchmaking + TRANSFER + 1e-6:
+                        self.out.violations.append(f"bounded: {name} waited {self.now - asked:.1f}s in averaging")
+                    break
+                # A canonical state whose holder died cannot be loaded until its record expires (ttl).
+                if self.now - arrived > s.max_wait + s.ttl + POLL + 1e-6:
+                    self.out.violations.append(f"bounded: {name} waited {self.now - arrived:.1f}s to rendezvous")
+            if result is not None:
+                averaged, consistent, group, log = result
+                rules.outer_step(region.outer, averaged, plan.cpu)
+                region.digest = state_digest(region.outer.global_state())
+                self.publish(region, group if consistent else 1)
+                log["after"][name] = full_key(region.outer)
+            if region.outer.step_count > s.target:
+                self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
+            self.out.windows[name].append(window)
+            region.progress += 1
+            self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
+                                      dict(region.outer.momentum_state()), region.progress)
+            if not rules.atomic_handshake and any(arrived < t <= self.now for t in plan.restarts):
+                stale_base = before_round
+            if region.outer.step_count >= s.target:
+                yield from self._settle(region)
+                self.out.finished[name] = (region.outer.step_count, region.digest)
+                return
+
+    def _settle(self, region: _Region):
+        if self.rules.settle_at_end is None:
+            return
+        ended = self.now
+        while True:
+            decision = self.rules.settle_at_end(self.rules.vote(region), self.read(region.plan.name),
+                                                target=self.s.target, ended=ended, now=self.now,
+                                                max_wait=self.s.max_wait)
+            if isinstance(decision, policy.Finish):
+                if not decision.settled:
+                    self.out.unsettled.add(region.plan.name)
+                return
+            if isinstance(decision, policy.Adopt) and self.adopt(region, decision.record):
+                self.publish(region, 0)
+                continue
+            if self.now - ended > self.s.max_wait + POLL + 1e-6:
+                self.out.violations.append(f"bounded: {region.plan.name} settled for {self.now - ended:.1f}s")
+                return
+            yield POLL
+
+
+def violations(schedule: Schedule, out: Outcome) -> list[str]:
+    """Every invariant of the protocol issue that this run broke (empty: all held)."""
+    found = list(out.violations)
+    # A region whose DHT was down through its whole settling time cannot know the canonical state: it says so
+    # (event unsettled_at_end; the driver's summary lists disagreeing regions and exports the canonical state).
+    finals = {state for name, state in out.finished.items() if name not in out.unsettled}
+    if len(finals) > 1:
+        found.append(f"agreement: regions finished with different states {sorted(out.finished.items())}")
+    for name, (step, _) in out.finished.items():
+        if step != schedule.target:
+            found.append(f"agreement: {name} finished at step {step}, not {schedule.target}")
+    for r in out.rounds:
+        after = r["after"]
+        if r["consistent"] and len(r["members"]) > 1 and set(r["members"]) >= set(r["live"]):
+            if len(set(after.values())) > 1:
+                found.append(f"recovery: round {r['step']} with every live region {r['members']} left them apart")
+    for name, windows in out.windows.items():
+        if windows != list(range(len(windows))):
+            found.append(f"windows: {name} trained windows {windows} (one twice or skipped)")
+    return found
+
+
+def simulate(schedule: Schedule, rules: Rules = Rules()) -> tuple[Outcome, list[str]]:
+    out = Simulator(schedule, rules).run()
+    return out, violations(schedule, out)

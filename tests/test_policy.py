@@ -1,0 +1,118 @@
+"""The outer-sync policy (ray_diloco.sync.policy), decision by decision, on hand-written records.
+
+* choose_canonical: the highest step wins, then the digest most regions hold, then the largest group, then the
+  smallest digest, whatever the order of the records; needs_resync gives None when own is canonical;
+* fault 1 of the protocol issue: two regions that each went alone with different digests pick the SAME state
+  from the same records (each votes with the record it published), so exactly one of them adopts;
+* plan_round waits for live regions that are not ready, runs with exactly the ready ones when all are in, runs
+  with those at the deadline (naming the absent ones), never waits for a region sitting the round out, adopts a
+  newer or canonical state first, and finishes without a round at the target step (fault 2);
+* with the DHT unreadable it waits until the deadline, then runs with the last group it knew (fault 4);
+* settle_at_end waits for regions behind the target, then adopts the canonical state or finishes;
+* join_target never goes back to a lower step.
+"""
+
+from __future__ import annotations
+
+from ray_diloco.sync.policy import (
+    OUT,
+    READY,
+    Adopt,
+    Finish,
+    Run,
+    StateRecord,
+    Wait,
+    choose_canonical,
+    join_target,
+    needs_resync,
+    newer_state,
+    plan_round,
+    settle_at_end,
+)
+
+R = StateRecord
+
+
+def test_choose_canonical():
+    assert choose_canonical([]) is None
+    records = [R("a", 3, "x", 2), R("b", 3, "x", 2), R("c", 3, "y", 3)]
+    assert choose_canonical(records).digest == "x"  # the majority digest beats a larger group
+    assert choose_canonical(records + [R("d", 4, "z", 1)]) == R("d", 4, "z", 1)  # a higher step beats all
+    assert choose_canonical([R("a", 3, "y", 1), R("b", 3, "x", 2)]) == R("b", 3, "x", 2)
+    assert choose_canonical([R("b", 3, "y", 2), R("a", 3, "x", 2)]) == R("a", 3, "x", 2)
+    tie = [R("c", 5, "q", 2), R("a", 5, "p", 2), R("b", 5, "q", 3), R("d", 5, "p", 1)]
+    for order in (tie, tie[::-1], tie[1:] + tie[:1]):
+        assert choose_canonical(order) == R("b", 5, "q", 3)
+    assert choose_canonical([R("a", 0, "init", 0)]) == R("a", 0, "init", 0)
+    # the phase is not part of the vote
+    assert choose_canonical([R("a", 3, "y", 1, READY), R("b", 3, "x", 1)]) == R("b", 3, "x", 1)
+
+
+def test_needs_resync():
+    x1, x2, y = R("a", 3, "x", 2), R("b", 3, "x", 2), R("c", 3, "y", 1)
+    assert needs_resync(y, [x1, x2, y]) == x1
+    assert needs_resync(x2, [x1, x2, y]) is None
+    assert needs_resync(R("c", 2, "old", 3), [x1, x2]) == x1  # behind
+    assert needs_resync(R("c", 4, "new", 1), [x1, x2]) is None  # ahead: nothing to load
+    assert needs_resync(R("c", 3, "y", 3), [R("a", 3, "x", 2), R("c", 3, "stale", 1)]) is None
+    assert needs_resync(R("c", 3, "y", 1), []) is None
+
+
+def test_two_lone_regions_agree_on_one_state():
+    a, b = R("a", 5, "da", 1), R("b", 5, "db", 1)  # each went alone: published group 1
+    assert needs_resync(a, [a, b]) is None and needs_resync(b, [a, b]) == a  # 'da' < 'db': b adopts, a keeps
+    # the old vote (own record with group 0 against the other's group 1) made each adopt the other's state
+    assert needs_resync(R("a", 5, "da", 0), [a, b]) == b and needs_resync(R("b", 5, "db", 0), [a, b]) == a
+
+
+def plan(own, records, now=10.0, arrived=0.0, max_wait=30.0, target=100, fallback=3):
+    return plan_round(own, records, target=target, arrived=arrived, now=now, max_wait=max_wait,
+                      fallback_expected=fallback)
+
+
+def test_plan_round_waits_for_live_regions_then_runs_with_the_ready_ones():
+    me = R("a", 4, "d", 2, READY)
+    training = R("b", 4, "d", 2)
+    assert plan(me, [me, training]) == Wait(30.0, ("b",))
+    assert plan(me, [me, R("b", 4, "d", 2, READY)]) == Run(2)
+    assert plan(me, [me, R("b", 4, "d", 2, READY), R("c", 4, "d", 2, OUT)]) == Run(2)  # c sits it out
+    assert plan(me, [me, training], now=30.0) == Run(1, absent=("b",))  # deadline: without b
+    assert plan(me, [me]) == Run(1)  # alone in the run: at once
+    # a region behind (it will adopt our state and then be ready) is waited for
+    assert plan(me, [me, R("c", 3, "old", 2, READY)]) == Wait(30.0, ("c",))
+
+
+def test_plan_round_adopts_first_and_never_overshoots_the_target():
+    me = R("b", 4, "db", 1, READY)
+    ahead = R("a", 5, "da", 1)
+    assert plan(me, [me, ahead]) == Adopt(ahead)
+    # after adopting step 5 = target the region finishes: no round past the run's last step
+    assert plan(R("b", 5, "da", 0, READY), [R("b", 5, "da", 0, READY), ahead], target=5) == Finish()
+    assert plan(R("b", 5, "db", 1, READY), [R("b", 5, "db", 1, READY), ahead], target=5) == Adopt(ahead)
+
+
+def test_plan_round_with_an_unreadable_dht_is_bounded():
+    me = R("a", 4, "d", 2, READY)
+    assert plan(me, None, now=10.0) == Wait(30.0)
+    assert plan(me, None, now=31.0) == Run(3)
+
+
+def test_settle_at_end():
+    me = R("a", 10, "da", 1)
+    behind = R("c", 9, "old", 2)
+    done_b = R("b", 10, "db", 1)
+    settle = lambda own, records, now=5.0: settle_at_end(own, records, target=10, ended=0.0, now=now,
+                                                        max_wait=20.0)
+    assert settle(me, [me, behind]) == Wait(20.0, ("c",))
+    assert settle(me, [me, behind], now=20.0) == Finish()
+    assert settle(done_b, [me, done_b]) == Adopt(me)  # the last round failed mid-way: take the canonical
+    assert settle(me, [me, done_b]) == Finish()
+    assert settle(me, None) == Wait(20.0) and settle(me, None, now=21.0) == Finish(settled=False)
+
+
+def test_join_target_and_newer_state():
+    me = R("c", 3, "mine", 0)
+    assert join_target(me, [me, R("a", 2, "x", 2)]) is None  # never back to a lower step
+    assert join_target(me, [me, R("a", 5, "x", 2), R("b", 5, "y", 1)]) == R("a", 5, "x", 2)
+    assert newer_state(3, "c", [me, R("a", 3, "x", 2)]) is None
+    assert newer_state(3, "c", [me, R("a", 4, "x", 2)]) == R("a", 4, "x", 2)
