@@ -32,6 +32,16 @@ from ray_diloco.model import build_model
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
 
+SLOW_REGION_ENV_VAR = "RAY_DILOCO_TEST_SLOW_REGION"  # tests only: "<region>:<seconds>"
+
+
+def test_slowdown(region: str) -> float:
+    """Seconds this region's workers sleep after their H inner steps (a test makes one region steadily slower
+    than the others; read at run time, so a job's runtime_env sets it). 0 unless the variable names `region`."""
+    name, _, seconds = os.environ.get(SLOW_REGION_ENV_VAR, "").partition(":")
+    return float(seconds) if name == region and seconds else 0.0
+
+
 def status(line: str) -> None:
     """One status line to the driver's console. Not `print`: Ray Train patches print to tee into its
     logger, which shows every line twice on the driver."""
@@ -228,6 +238,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         if sync_actor is not None:
             if rank == 0:  # fire-and-forget, once per round: the driver's live summary line shows it
                 sync_actor.note_inner.remote(loss_curve[-1][1], tokens / seconds, inner_step.lr)
+            time.sleep(test_slowdown(region))
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
                 outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress()))

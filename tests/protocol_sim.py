@@ -26,7 +26,7 @@ import torch
 from ray_diloco.sync import policy
 from ray_diloco.sync.codecs import get_codec
 from ray_diloco.sync.outer import OuterOptimizer, state_digest, weighted_average
-from ray_diloco.sync.policy import READY, TRAINING, StateRecord
+from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
 
 POLL = 0.5  # as ray_diloco.sync.actor.POLL_SECONDS
 TRANSFER = 0.2  # seconds an all-reduce of the tiny tensors takes once the group formed
@@ -396,6 +396,7 @@ class Simulator:
             if isinstance(decision, policy.Finish):
                 if not decision.settled:
                     self.out.unsettled.add(region.plan.name)
+                self._set_phase(region, FINISHED)
                 return
             if isinstance(decision, policy.Adopt) and self.adopt(region, decision.record):
                 self.publish(region, 0)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from ray_diloco.sync.policy import (
+    FINISHED,
     OUT,
     READY,
     Adopt,
@@ -108,6 +109,10 @@ def test_settle_at_end():
     assert settle(done_b, [me, done_b]) == Adopt(me)  # the last round failed mid-way: take the canonical
     assert settle(me, [me, done_b]) == Finish()
     assert settle(me, None) == Wait(20.0) and settle(me, None, now=21.0) == Finish(settled=False)
+    # a region that already finished is final: taken even against the smaller digest, without waiting for c
+    final_b = R("b", 10, "db", 1, FINISHED)
+    assert settle(me, [me, final_b, behind]) == Adopt(final_b)
+    assert settle(R("a", 10, "db", 0), [R("a", 10, "db", 0), final_b, behind]) == Finish()
 
 
 def test_join_target_and_newer_state():

@@ -34,7 +34,7 @@ from ray_diloco.sync import policy
 from ray_diloco.sync.averaging import RegionAverager, own_result
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
-from ray_diloco.sync.policy import OUT, READY, TRAINING, StateRecord
+from ray_diloco.sync.policy import FINISHED, OUT, READY, TRAINING, StateRecord
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +334,7 @@ class SyncActorImpl:
             if isinstance(decision, policy.Finish):
                 if not decision.settled:  # the driver's summary then names the regions that disagree
                     self.record_event("unsettled_at_end", why="the DHT did not answer before outer.max_wait_seconds")
+                self._set_phase_safely(FINISHED)
                 return
             if isinstance(decision, policy.Adopt) and self._adopt(decision.record, "settled_at_end"):
                 self._publish_safely(0)
@@ -405,6 +406,7 @@ class SyncActorImpl:
                 # Re-synced to the run's last step (the others finished without us): a round now would apply
                 # our stale Δ alone and end past T with a θ_global nobody else holds.
                 self.record_event("round_skipped_at_end", workers_step=workers_step)
+                await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end)
                 return {name: t.clone() for name, t in self.outer.global_state().items()}
             if decision.absent:
                 self.record_event("regions_absent", regions=list(decision.absent),

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 TRAINING = "training"  # its workers are on their inner steps towards the round at `outer_step`
 READY = "ready"  # its workers' shards are in: it waits to average the round at `outer_step`
 OUT = "out"  # it sits the round at `outer_step` out (a non-finite Δ): nobody waits for it
-PHASES = (TRAINING, READY, OUT)
+FINISHED = "finished"  # it ended the run with this state and will not change it again
+PHASES = (TRAINING, READY, OUT, FINISHED)
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,15 @@ def settle_at_end(own: StateRecord, records: list[StateRecord] | None, *, target
                   now: float, max_wait: float) -> Adopt | Wait | Finish:
     """After a region's last round: wait (until `ended + max_wait`) for every live region to reach `target`,
     then take the canonical state, so that every region that finishes holds the same θ_global even when the
-    last round failed mid-way or went without some region."""
+    last round failed mid-way or went without some region. The state of a region that already finished wins:
+    it can no longer change, so a region that reaches the end later (it waited out a DHT outage) takes it."""
     deadline = ended + max_wait
     if records is None:
         return Wait(deadline) if now < deadline else Finish(settled=False)
+    # A region that already finished will not change its state again: whoever comes later takes it.
+    final = choose_canonical([r for r in records if r.phase == FINISHED and r.outer_step >= target])
+    if final is not None:
+        return Adopt(final) if final.digest != own.digest else Finish()
     behind = tuple(sorted(r.region for r in records if r.region != own.region and r.outer_step < target))
     if behind and now < deadline:
         return Wait(deadline, behind)
