@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-name", help="run id: output sub-directory and Hivemind matchmaking scope")
     train.add_argument("--seed", type=int)
     train.add_argument("--initial-peers", help="comma-separated Hivemind multiaddrs of a running region")
+    train.add_argument("--local-regions", help="comma-separated regions of the config this Ray cluster runs "
+                                               "(one cluster per region); default: all")
     train.add_argument("--mode", choices=["diloco", "ddp", "single"],
                        help="diloco (default); ddp: one group over all workers, gradient all-reduce every step; "
                             "single: one worker. Same model, data, inner optimizer and steps")
@@ -192,6 +194,13 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
             run = replace(run, **{field: getattr(args, flag)})
     if args.resume:
         run = replace(run, resume=True)
+    if args.local_regions is not None:
+        local = [n.strip() for n in args.local_regions.split(",") if n.strip()]
+        names = [r.name for r in regions]
+        unknown = [n for n in local if n not in names]
+        if not local or unknown:
+            raise ConfigError(f"--local-regions: {unknown or 'nothing'} given; name regions of the config: {names}")
+        run = replace(run, local_regions=local)
     return replace(cfg, regions=regions, outer=outer, data=data, run=run)
 
 

@@ -169,6 +169,13 @@ class OuterConfig:
     """Hivemind multiaddrs of a running region: join a run started from another Ray cluster."""
     host: str = "127.0.0.1"
     """Address the Hivemind node listens on; use 0.0.0.0 (and an announced address) across machines."""
+    port: int = 0
+    """TCP port the Hivemind node listens on (0: any free port). Fix it where a firewall, a NAT forward or an
+    announced address must name it."""
+    announce: list[str] = field(default_factory=list)
+    """Multiaddrs the other regions dial, when they differ from what the node sees on its own interfaces (behind
+    NAT: the public address and port forwarded to it, e.g. /ip4/203.0.113.7/tcp/31337, or a relay's address).
+    Written to the run's peer files and logged at start."""
     sync_actor_cpus: float = 0.5
     """CPUs the Ray scheduler reserves for each region's SyncActor: it mostly waits on the network, and
     runs the outer step (a few fp32 passes over the model) once per round."""
@@ -186,6 +193,7 @@ class OuterConfig:
         _require(self.compression in CODEC_NAMES, "outer.compression", f"must be one of {CODEC_NAMES}")
         _require(self.matchmaking_seconds > 0, "outer.matchmaking_seconds", "must be > 0")
         _require(self.max_wait_seconds > 0, "outer.max_wait_seconds", "must be > 0")
+        _require(0 <= self.port <= 65535, "outer.port", f"must be a TCP port (0: any free one), got {self.port}")
         _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")
         _require(
             self.averaging_timeout > self.matchmaking_seconds,
@@ -247,9 +255,20 @@ class RunConfig:
     """Restarts of a region's group after a worker dies (Ray Train FailureConfig); it resumes from θ_global."""
     eval_every: int = 0
     """Evaluate the global model on the held-out set every this many outer steps (0: only at start and end)."""
+    local_regions: list[str] = field(default_factory=list)
+    """DiLoCo mode: the regions this driver runs in its Ray cluster (empty: all). The config lists every region of
+    the run; each Ray cluster runs its own (`--local-regions eu`), and the data split, the regions the protocol
+    knows and the run id come from the full list, so clusters that share the config read disjoint files."""
     stop_timeout_seconds: float = 300.0
     """After a stop request (`ray job stop`, SIGTERM, Ctrl-C) the driver waits this long for every region to
     finish its round and checkpoint it, then gives up (jobs/runtime_env.yaml lets Ray wait longer than this)."""
+
+    def peers_dir(self) -> str:
+        """Where each region's SyncActor writes its Hivemind multiaddrs for the others to find:
+        `<checkpoint_path or output_dir>/<run>/peers` (storage every cluster of the run shares)."""
+        base = self.checkpoint_path or self.output_dir
+        return f"{base.rstrip('/')}/{self.name}/peers" if "://" in base else os.path.join(local_path(base), self.name,
+                                                                                           "peers")
 
     def checkpoint_root(self) -> str:
         if self.checkpoint_path:
@@ -287,6 +306,17 @@ class ExperimentConfig:
         _require(len(self.regions) >= 1, "regions", "give at least one region")
         names = [r.name for r in self.regions]
         _require(len(set(names)) == len(names), "regions", f"region names must be unique, got {names}")
+        unknown = [name for name in self.run.local_regions if name not in names]
+        _require(not unknown, "run.local_regions", f"{unknown} are not regions of the config ({names})")
+        _require(len(set(self.run.local_regions)) == len(self.run.local_regions), "run.local_regions",
+                 "name each region once")
+        _require(self.run.mode == "diloco" or not self.run.local_regions, "run.local_regions",
+                 "only DiLoCo runs span Ray clusters; ddp and single run in one")
+
+    def local_regions(self) -> list[RegionConfig]:
+        """The regions this driver runs (all of them unless run.local_regions names some)."""
+        wanted = self.run.local_regions
+        return [r for r in self.regions if not wanted or r.name in wanted]
 
     @property
     def total_inner_steps(self) -> int:

@@ -25,7 +25,7 @@ from ray.train.torch import TorchTrainer
 from ray_diloco.checkpoint import join
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
-from ray_diloco.data.pipeline import DataCounters, build_region_datasets
+from ray_diloco.data.pipeline import DataCounters, build_region_datasets, region_file_shares
 from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
 from ray_diloco.live_summary import LiveSummary
@@ -115,7 +115,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     if any(step is not None for step in resume.values()):
         print(f"[driver] continuing run {cfg.run.name} from outer steps {resume} (checkpoints under "
               f"{cfg.run.checkpoint_root()})", flush=True)
-    for region in cfg.regions:
+    for region in cfg.local_regions():
         step = resume[region.name]
         options: dict[str, Any] = {"name": f"diloco-sync-{cfg.run.name}-{region.name}",
                                    "num_cpus": cfg.outer.sync_actor_cpus}
@@ -251,7 +251,12 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = context.print_on_execution_start = False
     counters = DataCounters.remote()
-    datasets = build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
+    if cfg.run.mode == "diloco":  # the split follows the run's full region list (other clusters run the rest)
+        names = [r.name for r in cfg.regions]
+        datasets = build_region_datasets(cfg.data, len(names), cfg.run.seed, counters,
+                                         [names.index(g.name) for g in groups])
+    else:
+        datasets = build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
     evaluator = Evaluator.options(num_cpus=EVALUATOR_CPUS).remote(cfg.to_dict(), windows) \
         if cfg.run.eval_every else None
     actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator) \
@@ -329,6 +334,14 @@ def _stop_sync_actor(actor: Any) -> None:
     ray.kill(actor)
 
 
+def data_files(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, list[str]] | None:
+    """The files each of this driver's groups read (None for a Hugging Face dataset)."""
+    regions = cfg.regions if cfg.run.mode == "diloco" else groups
+    shares = region_file_shares(cfg.data, len(regions), cfg.run.seed)
+    names = [r.name for r in regions]
+    return None if shares is None else {g.name: shares[names.index(g.name)] for g in groups}
+
+
 def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: TrainingOutcome, eval_start: float,
                   eval_loss: float, eval_ppl: float, wall: float, num_params: int) -> dict[str, Any]:
     stats, workers = outcome.stats, outcome.worker_results
@@ -370,6 +383,7 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
         "parameters": num_params,
         # What each group trained on: equal for two runs that saw the same windows (see batches.py).
         "data_fingerprint": {groups[i].name: w["data"] for i, w in zip(outcome.finished, workers)},
+        "data_files": data_files(cfg, groups),
         # Rank 0's training loss per inner step (since its last start), per region: loss.png draws it.
         "loss_curve": {groups[i].name: w.get("loss_curve", []) for i, w in zip(outcome.finished, workers)},
         # Asked to stop (`ray job stop`, SIGTERM, Ctrl-C): ended early at an outer step with a checkpoint.

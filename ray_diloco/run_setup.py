@@ -27,7 +27,7 @@ RAY_JOB_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 def training_groups(cfg: ExperimentConfig) -> list[RegionConfig]:
     """The Ray Train groups of a mode: one per region (diloco), one over all workers (ddp), one worker."""
     if cfg.run.mode == "diloco":
-        return list(cfg.regions)
+        return cfg.local_regions()
     template = cfg.regions[0]
     if cfg.run.mode == "ddp":
         return [dataclasses.replace(template, name="ddp", workers=sum(r.workers for r in cfg.regions))]
@@ -55,9 +55,11 @@ def resolve_paths(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def run_file_suffix(cfg: ExperimentConfig) -> str:
-    """'' for the driver of a whole run; '-<regions>' for one that joins a run started elsewhere (it was given
-    initial peers), so two drivers of one run write their own config and summary side by side."""
-    return "-" + "-".join(r.name for r in cfg.regions) if cfg.outer.initial_peers else ""
+    """'' for the driver of a whole run; '-<regions>' for one that runs part of it (--local-regions) or joins a
+    run started elsewhere (initial peers), so the drivers of one run write their config and summary side by side."""
+    local = cfg.local_regions()
+    partial = cfg.outer.initial_peers or len(local) < len(cfg.regions)
+    return "-" + "-".join(r.name for r in local) if partial else ""
 
 
 def check_writable(directory: Path, flag: str) -> None:
@@ -111,7 +113,7 @@ def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
     from ray_diloco.checkpoint import CONFIG_FILE, CheckpointStore, join
 
     root = cfg.run.checkpoint_root()
-    stores = {r.name: CheckpointStore(join(root, r.name)) for r in cfg.regions}
+    stores = {r.name: CheckpointStore(join(root, r.name)) for r in cfg.local_regions()}  # this cluster's
     plan = choose_resume_steps({name: store.steps() for name, store in stores.items()}, cfg.run.checkpoint_every)
     if all(step is None for step in plan.values()):
         if cfg.run.resume:
@@ -165,7 +167,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
     if cfg.run.name is None:
         raise ConfigError("run.name: give the run a name (--run-name)")
     cfg = resolve_paths(cfg)
-    check_data(cfg.data, len(groups), cfg.run.seed)
+    check_data(cfg.data, len(cfg.regions) if cfg.run.mode == "diloco" else len(groups), cfg.run.seed)
     if cfg.run.init_from and not Path(cfg.run.init_from, "config.json").is_file():
         raise ConfigError(f"--init-from: {cfg.run.init_from} holds no config.json; give a run's model/ directory "
                           "or the output of `ray-diloco export`")

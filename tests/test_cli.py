@@ -1,5 +1,6 @@
 """The command line does what the user asked: flags keep the preset's resources, zero values reach validation,
-bad YAML and bad list elements are one-line errors with exit code 2, runs get fresh names, and resuming needs one.
+bad YAML and bad list elements are one-line errors with exit code 2, runs get fresh names, resuming needs one,
+and `--local-regions` picks regions of the full list (unknown names refused).
 """
 
 import re
@@ -72,3 +73,13 @@ def test_a_bad_flag_value_is_one_line_too(argv, flag, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ray-diloco: error: argument ") and flag in err[0], err
+
+
+def test_local_regions_keep_the_full_list_and_refuse_unknown_names():
+    cfg = resolved("--regions", "us,eu,ap", "--local-regions", "eu")
+    assert [r.name for r in cfg.regions] == ["us", "eu", "ap"]  # the run's regions: split, protocol, run id
+    assert [r.name for r in cfg.local_regions()] == ["eu"]  # what this Ray cluster runs
+    with pytest.raises(ConfigError, match=r"^--local-regions: \['xx'\] given; name regions of the config"):
+        resolved("--regions", "us,eu", "--local-regions", "xx")
+    with pytest.raises(ConfigError, match="^run.local_regions: only DiLoCo runs span Ray clusters"):
+        resolved("--regions", "us,eu", "--local-regions", "eu", "--mode", "ddp")

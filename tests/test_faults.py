@@ -3,7 +3,7 @@
 - A worker killed inside a region: the region's Ray Train group restarts (FailureConfig), its new workers
   load θ_global from the region's SyncActor (which kept the outer state) and the run finishes.
 - One of three regions killed: the other two finish every outer step, agree bit for bit, and no round
-  waits longer than the matchmaking window.
+  waits longer than the killed region's record lives.
 - A region joining after outer step 2 loads θ_global from its peers over Hivemind (bit-identical) and
   takes part in the following rounds.
 - A whole run killed after a checkpoint resumes to the model of a run that was never stopped.
@@ -67,8 +67,9 @@ def test_one_of_three_regions_killed_the_others_finish_and_agree(local_ray, tmp_
         rounds = summary["rounds"][region]
         assert [r["outer_step"] for r in rounds] == [0, 1, 2, 3]
         assert rounds[-1]["group_size"] == 2 and rounds[-1]["peers"] == ["r0", "r1"]
-        # A round without r2 waits for it at most the matchmaking window (+ the all-reduce itself).
-        assert max(r["seconds"] for r in rounds) < matchmaking + 20, rounds
+        # A round without r2 waits for it at most until its record expires (ttl = 2·matchmaking + 10 s: it is
+        # live but never ready), then averages with those ready (+ the all-reduce itself).
+        assert max(r["seconds"] for r in rounds) < 2 * matchmaking + 10 + 20, rounds
     for step in range(4):
         assert summary["rounds"]["r0"][step]["digest"] == summary["rounds"]["r1"][step]["digest"]
     assert set(summary["global_digest"]) == {"r0", "r1"} and summary["regions_agree"]

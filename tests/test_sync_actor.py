@@ -97,7 +97,8 @@ def test_a_region_resumed_from_an_older_checkpoint_catches_up_when_the_driver_as
             if actor is not None:
                 actor.shutdown()
     assert behind.digest() == ahead.digest() == state_digest(theta)
-    assert [e["event"] for e in behind.events] == ["region_joined"]
+    assert [e["event"] for e in behind.events if e["event"] not in ("hivemind_started", "peer_connected")] == [
+        "region_joined"]
 
 
 def test_two_diverged_regions_agree_on_one_state_instead_of_swapping(tmp_path):

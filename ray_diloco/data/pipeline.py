@@ -184,16 +184,23 @@ def hf_stream_region_dataset(
     return _to_windows(rows, cfg, json_lines=False, counters=counters)
 
 
-def build_region_datasets(
-    cfg: DataConfig, num_regions: int, seed: int, counters: Any = None
-) -> list[ray.data.Dataset]:
-    """One dataset per region, from `cfg.hf_dataset`, `cfg.path`, or the embedded C4 sample."""
+def region_file_shares(cfg: DataConfig, num_regions: int, seed: int) -> list[list[str]] | None:
+    """The files each region of the run reads (None for a Hugging Face dataset, split by `split_dataset_by_node`)."""
     if cfg.hf_dataset:
-        return [
-            build_hf_region_dataset(cfg, r, num_regions, counters) for r in range(num_regions)
-        ]
-    files = list_data_files(cfg.path or embedded_train_dir())
-    shares = split_files_across_regions(files, num_regions, seed)
-    for region, share in enumerate(shares):
-        logger.info("region %d reads %d file(s): %s", region, len(share), share)
-    return [build_region_dataset(cfg, share, counters) for share in shares]
+        return None
+    return split_files_across_regions(list_data_files(cfg.path or embedded_train_dir()), num_regions, seed)
+
+
+def build_region_datasets(
+    cfg: DataConfig, num_regions: int, seed: int, counters: Any = None, indices: list[int] | None = None
+) -> list[ray.data.Dataset]:
+    """The datasets of regions `indices` (default: all) of a run of `num_regions`, from `cfg.hf_dataset`,
+    `cfg.path`, or the embedded C4 sample. The split depends on the whole run, not on which regions this
+    driver runs, so drivers in different Ray clusters read disjoint shares."""
+    indices = list(range(num_regions)) if indices is None else indices
+    if cfg.hf_dataset:
+        return [build_hf_region_dataset(cfg, r, num_regions, counters) for r in indices]
+    shares = region_file_shares(cfg, num_regions, seed)
+    for region in indices:
+        logger.info("region %d reads %d file(s): %s", region, len(shares[region]), shares[region])
+    return [build_region_dataset(cfg, shares[r], counters) for r in indices]

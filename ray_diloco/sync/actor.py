@@ -30,7 +30,7 @@ from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.sharding import assemble, rows_for_rank
-from ray_diloco.sync import policy
+from ray_diloco.sync import peers, policy
 from ray_diloco.sync.averaging import RegionAverager, own_result
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
@@ -39,6 +39,7 @@ from ray_diloco.sync.policy import FINISHED, OUT, READY, TRAINING, StateRecord
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5  # how often a waiting region reads the other regions' records again
+PEER_FILES_SECONDS = 5.0  # how often it reads the other regions' peer files (storage listings cost more)
 
 
 @dataclass
@@ -72,17 +73,19 @@ class SyncActorImpl:
         self.shapes = {name: t.shape for name, t in initial.items()}
         self.outer = OuterOptimizer(initial, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
                                     nesterov=cfg.outer.nesterov)
-        self.expected_regions = len(cfg.regions)
+        self.expected_regions = len(cfg.regions)  # the run's, not this cluster's: the others may run elsewhere
         self.averager = self.sharer = None
-        peers = list(initial_peers or cfg.outer.initial_peers)
-        if self.expected_regions > 1 or peers:  # a DHT is only needed across regions
+        self._connected: set[str] = set()  # regions whose peer file we dialled successfully
+        self._peers_read = 0.0  # when we last read the peer files
+        bootstrap = list(initial_peers or cfg.outer.initial_peers)
+        if self.expected_regions > 1 or bootstrap:  # a DHT is only needed across regions
             from ray_diloco.sync.state_sharing import StateSharer
 
             self.averager = RegionAverager(
                 run_id=cfg.run.name, region=region, expected_regions=max(2, self.expected_regions),
-                compression=cfg.outer.compression, initial_peers=peers or None,
-                host=cfg.outer.host, matchmaking_seconds=cfg.outer.matchmaking_seconds,
-                averaging_timeout=cfg.outer.averaging_timeout,
+                compression=cfg.outer.compression, initial_peers=bootstrap or None,
+                host=cfg.outer.host, port=cfg.outer.port, matchmaking_seconds=cfg.outer.matchmaking_seconds,
+                averaging_timeout=cfg.outer.averaging_timeout, announce_maddrs=cfg.outer.announce or None,
             )
             # Every region publishes (outer step, digest of θ_global) and serves its outer state, so a late
             # region re-syncs and a joining one starts from the run's state. A killed region's record
@@ -113,6 +116,8 @@ class SyncActorImpl:
         if resume_step is not None:
             self._resume_from_checkpoint(resume_step)
         if self.sharer is not None:
+            self._announce()
+            self._dial_peer_files()
             self._join_if_behind()
             self._publish_safely(0)
         self.inner_report: dict = {}  # rank 0's last loss, tokens/s, lr (note_inner): for the live summary
@@ -122,6 +127,30 @@ class SyncActorImpl:
     # -- discovery and state -------------------------------------------------------------------------
     def multiaddrs(self) -> list[str]:
         return self.averager.visible_multiaddrs() if self.averager else []
+
+    def _announce(self) -> None:
+        """Log our multiaddrs and write them to the run's storage, where the other regions look for them."""
+        maddrs = self.multiaddrs()
+        try:
+            where = peers.write_peer_file(self.config.run.peers_dir(), self.region, maddrs)
+        except Exception as error:  # storage not writable: regions can still be joined with --initial-peers
+            where = f"not written ({error!r:.200})"
+        self.record_event("hivemind_started", multiaddrs=maddrs, peer_file=where)
+
+    def _dial_peer_files(self) -> None:
+        """Connect to the regions whose peer files appeared since we last looked (at most every few seconds)."""
+        if time.monotonic() - self._peers_read < PEER_FILES_SECONDS:
+            return
+        self._peers_read = time.monotonic()
+        try:
+            found = peers.read_peer_files(self.config.run.peers_dir(), exclude=self.region)
+        except Exception as error:
+            logger.warning("[%s] reading the peer files failed: %r", self.region, error)
+            return
+        for region, maddrs in sorted(found.items()):
+            if region not in self._connected and peers.connect(self.averager.dht, maddrs):
+                self._connected.add(region)
+                self.record_event("peer_connected", peer=region, multiaddrs=maddrs)
 
     def register_worker(self, rank: int, world_size: int, pid: int, host: str) -> None:
         """A worker (re)starts. A known rank with a new process is a restart of the region's group."""
@@ -193,6 +222,7 @@ class SyncActorImpl:
     def _read_records(self) -> list[StateRecord] | None:
         """The live records of the run, None if the DHT did not answer in time (the policy then waits). One
         event per outage, not one per poll."""
+        self._dial_peer_files()  # a region that started at the same moment as we did may have appeared
         try:
             records = self.sharer.records()
         except Exception as error:

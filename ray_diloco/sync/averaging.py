@@ -101,8 +101,8 @@ def own_result(compression: str, region: str, tensors: dict[str, torch.Tensor], 
                        timings or {})
 
 
-def _listen_maddr(host: str) -> str:
-    return f"/ip6/{host}/tcp/0" if ":" in host else f"/ip4/{host}/tcp/0"
+def _listen_maddr(host: str, port: int = 0) -> str:
+    return f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
 
 
 def _await_step(control, averager: ExactAverager, deadline: float):
@@ -127,7 +127,7 @@ class RegionAverager:
     def __init__(self, *, run_id: str, region: str, expected_regions: int, compression: str = "fp16",
                  initial_peers: list[str] | None = None, host: str = "127.0.0.1",
                  matchmaking_seconds: float = 5.0, averaging_timeout: float = 60.0,
-                 announce_maddrs: list[str] | None = None, dht: DHT | None = None,
+                 announce_maddrs: list[str] | None = None, dht: DHT | None = None, port: int = 0,
                  part_size_bytes: int = 2**19, next_chunk_timeout: float | None = None):
         if compression not in CODEC_NAMES:
             raise ValueError(f"compression {compression!r} is unknown; choose one of {CODEC_NAMES}")
@@ -151,7 +151,7 @@ class RegionAverager:
         self._owns_dht = dht is None
         if dht is None:
             kwargs = dict(announce_maddrs=announce_maddrs) if announce_maddrs else {}
-            dht = DHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host)], start=True, **kwargs)
+            dht = DHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host, port)], start=True, **kwargs)
         self.dht = dht
 
     def visible_multiaddrs(self) -> list[str]:

@@ -1,0 +1,114 @@
+"""One Ray cluster per region, joined only by Hivemind and shared storage, each run with `ray job submit`.
+
+Three heads (`ray start --head`, ports of their own) on this machine stand for three regions' clusters. One config
+lists the run's three regions; each cluster's job runs `--local-regions <its region>`; a directory stands for the
+shared bucket (checkpoints, peer files, results). No multiaddrs are copied: every SyncActor writes its own to
+`<storage>/<run>/peers/<region>.json` and dials the others'. Checks that:
+* us and eu find each other, average together in every round (group of 2 or 3), and agree bit for bit on θ_global
+  after every outer step;
+* ap, started after outer step 1, joins from the peers' state (`region_joined`), takes part in the last round,
+  and all three end with the same θ_global;
+* the three regions read disjoint, non-empty file lists (split over the run's three regions, not per cluster);
+* every region logged its multiaddrs (`hivemind_started`) and wrote its peer file there.
+"""
+
+import dataclasses
+import json
+import time
+
+import pytest
+from test_job_submit import RAY, ROOT, Head, job_status, wait_for_log
+
+from ray_diloco.config import RegionConfig
+from ray_diloco.presets import tiny_cpu
+
+REGIONS = ("us", "eu", "ap")
+OUTER_STEPS = 6
+
+
+def run_config(storage) -> str:
+    cfg = tiny_cpu()
+    cfg = dataclasses.replace(
+        cfg, regions=[RegionConfig(name=name, workers=1) for name in REGIONS],
+        outer=dataclasses.replace(cfg.outer, inner_steps=4, matchmaking_seconds=5.0, averaging_timeout=120.0,
+                                  max_wait_seconds=240.0),
+        run=dataclasses.replace(cfg.run, name="clusters", outer_steps=OUTER_STEPS, eval_every=0,
+                                checkpoint_path=str(storage), output_dir=str(storage / "results")))
+    path = storage / "run.yaml"
+    path.write_text(cfg.to_yaml())
+    return str(path)
+
+
+def submit(head: Head, config: str, region: str) -> str:
+    done = head.submit(ROOT, "--no-wait", "--config", config, "--local-regions", region, cli_args_first=True,
+                       timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return next(word for word in (done.stdout + done.stderr).split() if word.startswith("raysubmit_")).strip("'")
+
+
+def wait_until_done(jobs: dict, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = dict(jobs)
+    while pending and time.monotonic() < deadline:
+        for region, (head, job_id) in list(pending.items()):
+            status = job_status(head, job_id)
+            if "succeeded" in status or "failed" in status.lower() or "stopped" in status:
+                assert "succeeded" in status, f"{region}: {status}\n" + logs(head, job_id)
+                del pending[region]
+        time.sleep(3)
+    assert not pending, {region: logs(head, job_id) for region, (head, job_id) in pending.items()}
+
+
+def logs(head: Head, job_id: str) -> str:
+    import subprocess
+
+    return subprocess.run([RAY, "job", "logs", job_id], env=head.env, capture_output=True, text=True).stdout[-4000:]
+
+
+@pytest.fixture
+def heads(tmp_path):
+    started = []
+
+    def start():
+        started.append(Head(3, tmp_path))
+        return started[-1]
+
+    yield start
+    for head in started:
+        head.stop()
+
+
+def test_three_clusters_find_each_other_train_together_and_agree(heads, tmp_path):
+    storage = tmp_path / "bucket"
+    storage.mkdir()
+    config = run_config(storage)
+    us, eu = heads(), heads()
+    jobs = {"us": (us, submit(us, config, "us")), "eu": (eu, submit(eu, config, "eu"))}
+    wait_for_log(us, jobs["us"][1], f"outer step 1/{OUTER_STEPS} synced", timeout=400)
+    ap = heads()
+    jobs["ap"] = (ap, submit(ap, config, "ap"))
+    wait_until_done(jobs, timeout=900)
+
+    results = storage / "results" / "clusters"
+    summaries = {region: json.loads((results / f"summary-{region}.json").read_text()) for region in REGIONS}
+    rounds = {region: summaries[region]["rounds"][region] for region in REGIONS}
+    assert [r["outer_step"] for r in rounds["us"]] == list(range(OUTER_STEPS))
+    for us_round, eu_round in zip(rounds["us"], rounds["eu"]):
+        assert us_round["digest"] == eu_round["digest"] and us_round["group_size"] >= 2, (us_round, eu_round)
+        assert us_round["consistent"] and eu_round["consistent"]
+    finals = {summaries[region]["global_digest"][region] for region in REGIONS}
+    assert len(finals) == 1, {region: summaries[region]["global_digest"] for region in REGIONS}
+
+    joined = [e for e in summaries["ap"]["events"] if e["event"] == "region_joined"]
+    assert len(joined) == 1 and joined[0]["to_step"] >= 1, summaries["ap"]["events"]
+    assert rounds["us"][-1]["group_size"] == 3 and rounds["us"][-1]["peers"] == sorted(REGIONS)
+
+    files = {region: summaries[region]["data_files"][region] for region in REGIONS}
+    assert all(files.values()), files
+    assert sum(len(f) for f in files.values()) == len(set().union(*files.values())), files  # disjoint
+
+    for region in REGIONS:
+        started = [e for e in summaries[region]["events"] if e["event"] == "hivemind_started"]
+        assert started and started[0]["multiaddrs"], summaries[region]["events"]
+        written = json.loads((storage / "clusters" / "peers" / f"{region}.json").read_text())
+        assert written["multiaddrs"] == started[0]["multiaddrs"]
