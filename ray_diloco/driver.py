@@ -234,13 +234,17 @@ class TrainingOutcome:
 
 
 def canonical_index(stats: list[dict]) -> int:
-    """Which finished region's θ_global the run exports: the canonical state by the rule every region uses to
-    re-sync (`state_sharing.choose_canonical`: highest step, then the digest most regions hold, ...)."""
-    from ray_diloco.sync.state_sharing import StateRecord, choose_canonical
+    """Which finished region's θ_global the run exports: the state every region ends with by the protocol's rule
+    (`policy.final_state`: a finished region's state, else the canonical one), each voting with its published
+    record (its group size and phase) and the state it holds now."""
+    from ray_diloco.sync.policy import StateRecord, final_state
 
-    records = [StateRecord(s["region"], s["outer_step"], s["digest"], s["rounds"][-1]["group_size"] if s["rounds"]
-                           else 0) for s in stats]
-    chosen = choose_canonical(records)
+    def record(s: dict) -> StateRecord:
+        published = s.get("record") or {}
+        return StateRecord(s["region"], s["outer_step"], s["digest"], published.get("group_size", 0),
+                           published.get("phase", "training"))
+
+    chosen = final_state([record(s) for s in stats])
     return next(i for i, s in enumerate(stats) if s["region"] == chosen.region)
 
 
@@ -268,7 +272,7 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
                     for group, actor, dataset in zip(groups, actors, datasets)]
         with GracefulStop(actors, cfg.run.stop_timeout_seconds), ThreadPoolExecutor(len(trainers)) as pool:
             # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
-            outcomes = list(pool.map(_fit, trainers))
+            outcomes = list(pool.map(_fit, trainers, actors))
         # A region whose group failed for good (after its restarts) has left the run; the others went on.
         finished = [i for i, (_, error) in enumerate(outcomes) if error is None]
         if not finished or (cfg.run.mode != "diloco" and len(finished) < len(groups)):
@@ -317,13 +321,17 @@ def baseline_outcome(cfg: ExperimentConfig, group: RegionConfig, rank0: dict,
     return final_state, stats
 
 
-def _fit(trainer: TorchTrainer) -> tuple[Any, BaseException | None]:
-    """Ray Train V2's fit() raises when the group fails for good; a region's failure is an outcome here."""
+def _fit(trainer: TorchTrainer, actor: Any = None) -> tuple[Any, BaseException | None]:
+    """Ray Train V2's fit() raises when the group fails for good; a region's failure is an outcome here. Its
+    SyncActor then leaves the run at once (withdraws its record): the other regions stop waiting for it."""
     try:
         result = trainer.fit()
-        return result, result.error
+        outcome = result, result.error
     except Exception as error:
-        return None, error
+        outcome = None, error
+    if outcome[1] is not None and actor is not None:
+        actor.shutdown.remote()
+    return outcome
 
 
 def _stop_sync_actor(actor: Any) -> None:

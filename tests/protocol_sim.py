@@ -93,6 +93,7 @@ class Outcome:
     gone: set[str] = field(default_factory=set)  # departed for good
     dead: dict[str, str] = field(default_factory=dict)  # region -> why it ended without finishing
     unsettled: set[str] = field(default_factory=set)  # ended without reading the others' records (DHT down)
+    ready: list[tuple[int, str, float]] = field(default_factory=list)  # (outer step, region, when it was ready)
 
 
 @dataclass
@@ -224,8 +225,8 @@ class Simulator:
         self.served[region.plan.name] = (region.outer.step_count, region.digest, theta, momentum)
         self._store(region.plan.name, region.incarnation)
 
-    def _set_phase(self, region: _Region, phase: str) -> None:
-        region.published = dataclasses.replace(region.published, phase=phase)
+    def _set_phase(self, region: _Region, phase: str, ready_since: float = 0.0) -> None:
+        region.published = dataclasses.replace(region.published, phase=phase, ready_since=ready_since)
         self._store(region.plan.name, region.incarnation)
 
     def adopt(self, region: _Region, want: StateRecord) -> bool:
@@ -245,6 +246,12 @@ class Simulator:
 
     # -- the averager ---------------------------------------------------------------------------------
     def _submit(self, request: _Request) -> None:
+        if request.expected == 1:  # RegionAverager.average: alone at once, no matchmaking
+            self.pending.setdefault(request.step, [])
+            self.pending[request.step], others = [request], self.pending[request.step]
+            self._form(request.step)
+            self.pending[request.step] = others
+            return
         requests = self.pending.setdefault(request.step, [])
         requests.append(request)
         if len(requests) >= max(r.expected for r in requests):
@@ -352,7 +359,8 @@ class Simulator:
                 elif isinstance(decision, policy.Finish):
                     break
                 elif not ready:
-                    self._set_phase(region, READY)
+                    self._set_phase(region, READY, ready_since=arrived)
+                    self.out.ready.append((region.outer.step_count, name, arrived))
                     ready = True
                 elif isinstance(decision, policy.Wait):
                     yield min(POLL, decision.deadline - self.now)

@@ -12,30 +12,26 @@ shared bucket (checkpoints, peer files, results). No multiaddrs are copied: ever
 * every region logged its multiaddrs (`hivemind_started`) and wrote its peer file there.
 """
 
-import dataclasses
 import json
 import time
 
 import pytest
 from test_job_submit import RAY, ROOT, Head, job_status, wait_for_log
 
-from ray_diloco.config import RegionConfig
-from ray_diloco.presets import tiny_cpu
+from ray_diloco.config import ExperimentConfig
 
 REGIONS = ("us", "eu", "ap")
 OUTER_STEPS = 6
 
 
 def run_config(storage) -> str:
-    cfg = tiny_cpu()
-    cfg = dataclasses.replace(
-        cfg, regions=[RegionConfig(name=name, workers=1) for name in REGIONS],
-        outer=dataclasses.replace(cfg.outer, inner_steps=4, matchmaking_seconds=5.0, averaging_timeout=120.0,
-                                  max_wait_seconds=240.0),
-        run=dataclasses.replace(cfg.run, name="clusters", outer_steps=OUTER_STEPS, eval_every=0,
-                                checkpoint_path=str(storage), output_dir=str(storage / "results")))
+    """The README's run.yaml (section "One Ray cluster per region"), with this test's directory as the bucket."""
+    readme = (ROOT / "README.md").read_text()
+    text = readme.split("# run.yaml, the same in every cluster\n")[1].split("```")[0]
     path = storage / "run.yaml"
-    path.write_text(cfg.to_yaml())
+    path.write_text(text.replace("/shared/bucket", str(storage)))
+    cfg = ExperimentConfig.from_yaml(path.read_text())
+    assert [r.name for r in cfg.regions] == list(REGIONS) and cfg.run.outer_steps == OUTER_STEPS
     return str(path)
 
 

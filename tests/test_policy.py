@@ -24,6 +24,7 @@ from ray_diloco.sync.policy import (
     StateRecord,
     Wait,
     choose_canonical,
+    final_state,
     join_target,
     needs_resync,
     newer_state,
@@ -89,7 +90,18 @@ def test_plan_round_adopts_first_and_never_overshoots_the_target():
     assert plan(me, [me, ahead]) == Adopt(ahead)
     # after adopting step 5 = target the region finishes: no round past the run's last step
     assert plan(R("b", 5, "da", 0, READY), [R("b", 5, "da", 0, READY), ahead], target=5) == Finish()
-    assert plan(R("b", 5, "db", 1, READY), [R("b", 5, "db", 1, READY), ahead], target=5) == Adopt(ahead)
+    # at the target with another digest: no round either; settle_at_end takes the canonical state
+    assert plan(R("b", 5, "db", 1, READY), [R("b", 5, "db", 1, READY), ahead], target=5) == Finish()
+    # at the target with the DHT unreadable past the deadline: still no round (it used to run alone to T+1)
+    assert plan(R("b", 5, "da", 0, READY), None, now=31.0, target=5) == Finish()
+
+
+def test_plan_round_has_one_deadline_per_round_the_earliest_ready_regions():
+    """a ready since 0, b since 20, c not ready: both run at a's deadline (30) with each other, not b alone at 50."""
+    a, b, c = R("a", 4, "d", 2, READY, ready_since=0.0), R("b", 4, "d", 2, READY, ready_since=20.0), R("c", 4, "d", 2)
+    assert plan(b, [a, b, c], arrived=20.0, now=25.0) == Wait(30.0, ("c",))
+    assert plan(b, [a, b, c], arrived=20.0, now=30.0) == Run(2, absent=("c",))
+    assert plan(a, [a, b, c], arrived=0.0, now=30.0) == Run(2, absent=("c",))
 
 
 def test_plan_round_with_an_unreadable_dht_is_bounded():
@@ -111,6 +123,7 @@ def test_settle_at_end():
     assert settle(me, None) == Wait(20.0) and settle(me, None, now=21.0) == Finish(settled=False)
     # a region that already finished is final: taken even against the smaller digest, without waiting for c
     final_b = R("b", 10, "db", 1, FINISHED)
+    assert final_state([me, final_b]) == final_b and final_state([me, done_b]) == me
     assert settle(me, [me, final_b, behind]) == Adopt(final_b)
     assert settle(R("a", 10, "db", 0), [R("a", 10, "db", 0), final_b, behind]) == Finish()
 

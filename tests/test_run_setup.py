@@ -108,13 +108,19 @@ def test_resources_that_do_not_fit_are_one_line_naming_the_fix():
 def test_the_exported_state_is_the_canonical_one_not_the_first_regions():
     from ray_diloco.driver import canonical_index
 
-    def stats(region, step, digest, group):
-        return {"region": region, "outer_step": step, "digest": digest, "rounds": [{"group_size": group}]}
+    def stats(region, step, digest, group, phase="training"):
+        return {"region": region, "outer_step": step, "digest": digest,
+                "record": {"region": region, "outer_step": step, "digest": digest, "group_size": group,
+                           "phase": phase, "ready_since": 0.0}}
 
     # The highest step wins (the others would re-sync to it), even when it is not the first region...
     assert canonical_index([stats("a", 3, "x", 1), stats("b", 4, "y", 2)]) == 1
     # ... and at equal steps the digest most regions hold, whatever the order.
     assert canonical_index([stats("a", 3, "z", 1), stats("b", 3, "y", 2), stats("c", 3, "y", 2)]) == 1
+    # ... unless a region already finished with its state: the others settle to it, and so does the export.
+    assert canonical_index([stats("a", 3, "z", 1, "finished"), stats("b", 3, "y", 2), stats("c", 3, "y", 2)]) == 0
+    # A single region (no DHT, no record) is its own canonical state.
+    assert canonical_index([{"region": "a", "outer_step": 3, "digest": "x", "record": None}]) == 0
 
 
 def test_unwritable_outputs_and_a_mismatched_init_from_are_refused_before_ray(tmp_path):

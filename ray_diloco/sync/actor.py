@@ -212,10 +212,10 @@ class SyncActorImpl:
         except Exception as error:
             self.record_event("dht_error", during="publishing the state record", error=repr(error)[:300])
 
-    def _set_phase_safely(self, phase: str) -> None:
+    def _set_phase_safely(self, phase: str, ready_since: float = 0.0) -> None:
         try:
-            self.sharer.set_phase(phase)
-            self._published = dataclasses.replace(self._published, phase=phase)
+            self.sharer.set_phase(phase, ready_since)
+            self._published = dataclasses.replace(self._published, phase=phase, ready_since=ready_since)
         except Exception as error:
             self.record_event("dht_error", during=f"publishing phase {phase}", error=repr(error)[:300])
 
@@ -324,15 +324,18 @@ class SyncActorImpl:
             self._adopt(target, "region_joined")
 
     def _rendezvous(self, arrived: float) -> policy.Run | policy.Finish:
-        """Our workers are in (since `arrived`): follow the policy until it says run a round (with whom) or
-        finish. We say we are ready only while we hold the state we will average from (a region seen ready
-        while it still loads a peer's state would make the others' group wait for it in matchmaking)."""
-        cfg = self.config
+        """Our workers are in (since `arrived`, wall clock: other regions count the round's deadline from it):
+        follow the policy until it says run a round (with whom) or finish. We say we are ready only while we
+        hold the state we will average from (a region seen ready while it still loads a peer's state would make
+        the others' group wait for it in matchmaking). A state that cannot be loaded is tried until the round's
+        deadline plus one download; then the region goes alone and the next round re-syncs."""
+        outer = self.config.outer
+        give_up = arrived + outer.max_wait_seconds + outer.averaging_timeout
         ready = False
         while True:
             decision = policy.plan_round(
-                self._published, self._read_records(), target=cfg.run.outer_steps, arrived=arrived,
-                now=time.monotonic(), max_wait=cfg.outer.max_wait_seconds,
+                self._published, self._read_records(), target=self.config.run.outer_steps, arrived=arrived,
+                now=time.time(), max_wait=outer.max_wait_seconds,
                 fallback_expected=1)  # the DHT is unreadable: nobody could see us ready either
             if isinstance(decision, policy.Adopt):
                 if ready:
@@ -340,15 +343,17 @@ class SyncActorImpl:
                     ready = False
                 if self._adopt(decision.record, "resync"):
                     self._publish_safely(0)
+                elif time.time() > give_up:
+                    return policy.Run(1)
                 else:
                     time.sleep(POLL_SECONDS)
             elif isinstance(decision, policy.Finish):
                 return decision
             elif not ready:
-                self._set_phase_safely(READY)
+                self._set_phase_safely(READY, ready_since=arrived)
                 ready = True
             elif isinstance(decision, policy.Wait):
-                time.sleep(max(0.0, min(POLL_SECONDS, decision.deadline - time.monotonic())))
+                time.sleep(max(0.0, min(POLL_SECONDS, decision.deadline - time.time())))
             else:
                 return decision
 
@@ -358,17 +363,20 @@ class SyncActorImpl:
         mid-way or went without some region leaves them different)."""
         cfg = self.config
         ended = time.monotonic()
+        give_up = ended + cfg.outer.max_wait_seconds + cfg.outer.averaging_timeout
         while True:
             decision = policy.settle_at_end(self._published, self._read_records(), target=cfg.run.outer_steps,
                                             ended=ended, now=time.monotonic(), max_wait=cfg.outer.max_wait_seconds)
-            if isinstance(decision, policy.Finish):
-                if not decision.settled:  # the driver's summary then names the regions that disagree
-                    self.record_event("unsettled_at_end", why="the DHT did not answer before outer.max_wait_seconds")
-                self._set_phase_safely(FINISHED)
-                return
             if isinstance(decision, policy.Adopt) and self._adopt(decision.record, "settled_at_end"):
                 self._publish_safely(0)
                 continue
+            unsettled = getattr(decision, "settled", True) is False or time.monotonic() > give_up
+            if isinstance(decision, policy.Finish) or unsettled:
+                if unsettled:  # the driver's summary then names the regions that disagree
+                    self.record_event("unsettled_at_end", why="the DHT did not answer, or the canonical state "
+                                                              "could not be loaded, in time")
+                self._set_phase_safely(FINISHED)
+                return
             time.sleep(POLL_SECONDS)
 
     def recorded_rounds(self) -> list[dict]:
@@ -382,6 +390,7 @@ class SyncActorImpl:
             "region": self.region, "outer_step": self.outer.step_count, "tokens": self.tokens,
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "sync_seconds": self.sync_seconds, "rounds": list(self.history), "digest": self.digest(),
+            "record": dataclasses.asdict(self._published) if self._published else None,
             "events": list(self.events),
         }
 
@@ -431,7 +440,7 @@ class SyncActorImpl:
             return await self._skip_nonfinite_round(bad, pending, start)
         reduce_started = time.perf_counter()
         if self.sharer is not None:
-            decision = await asyncio.get_running_loop().run_in_executor(None, self._rendezvous, time.monotonic())
+            decision = await asyncio.get_running_loop().run_in_executor(None, self._rendezvous, time.time())
             if isinstance(decision, policy.Finish):
                 # Re-synced to the run's last step (the others finished without us): a round now would apply
                 # our stale Δ alone and end past T with a θ_global nobody else holds.
@@ -525,9 +534,10 @@ class SyncActorImpl:
         return self.outer.global_state()
 
     def _resync_from_newer(self, own_step: int) -> bool:
-        """Wait (up to outer.averaging_timeout) for another region's record past `own_step`; adopt the
+        """Wait (up to max_wait + averaging_timeout) for another region's record past `own_step`; adopt the
         canonical one. False if none appeared or none could be loaded in time."""
-        deadline = time.monotonic() + self.config.outer.averaging_timeout
+        # The others may wait up to max_wait for stragglers before their round: wait that long too.
+        deadline = time.monotonic() + self.config.outer.max_wait_seconds + self.config.outer.averaging_timeout
         while True:
             newer = policy.newer_state(own_step, self.region, self._read_records() or [])
             if newer is not None and self._adopt(newer, "resync"):

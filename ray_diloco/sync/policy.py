@@ -39,6 +39,7 @@ class StateRecord:
     digest: str  # state_digest(θ_global)
     group_size: int  # regions in the round that produced it (0: initial or adopted, 1: alone or failed mid-round)
     phase: str = TRAINING
+    ready_since: float = 0.0  # READY: when its workers came in (wall clock): the round's deadline counts from it
 
 
 def choose_canonical(records: list[StateRecord]) -> StateRecord | None:
@@ -101,23 +102,26 @@ def plan_round(own: StateRecord, records: list[StateRecord] | None, *, target: i
     records: the live records (ours among them or not), None if the DHT did not answer; then the region waits
     for it until the deadline and averages with `fallback_expected` (the last group it knew) after that.
     """
-    deadline = arrived + max_wait
+    if own.outer_step >= target:  # first: even with the DHT unreadable, never a round past the last step
+        return Finish()
     if records is None:
+        deadline = arrived + max_wait
         return Wait(deadline) if now < deadline else Run(fallback_expected)
     canonical = needs_resync(own, records)
     if canonical is not None:
         return Adopt(canonical)
-    if own.outer_step >= target:
-        return Finish()
     others = [r for r in records if r.region != own.region]
-    at_our_step = [r for r in others if r.outer_step == own.outer_step]
-    joining = 1 + sum(r.phase == READY for r in at_our_step)
+    ready = [r for r in others if r.outer_step == own.outer_step and r.phase == READY]
+    # One deadline per round, the earliest ready region's: every ready region reads the same records, so all of
+    # them run at the same moment with the same group (each at its own deadline, the first would run while the
+    # others still wait for a straggler, and its group would never fill).
+    deadline = min([arrived] + [r.ready_since for r in ready]) + max_wait
     waiting_on = tuple(sorted(r.region for r in others
                               if not (r.outer_step == own.outer_step and r.phase in (READY, OUT))))
     if not waiting_on:
-        return Run(joining)
+        return Run(1 + len(ready))
     if now >= deadline:
-        return Run(joining, absent=waiting_on)
+        return Run(1 + len(ready), absent=waiting_on)
     return Wait(deadline, waiting_on)
 
 
@@ -130,15 +134,19 @@ def settle_at_end(own: StateRecord, records: list[StateRecord] | None, *, target
     deadline = ended + max_wait
     if records is None:
         return Wait(deadline) if now < deadline else Finish(settled=False)
-    # A region that already finished will not change its state again: whoever comes later takes it.
-    final = choose_canonical([r for r in records if r.phase == FINISHED and r.outer_step >= target])
-    if final is not None:
-        return Adopt(final) if final.digest != own.digest else Finish()
-    behind = tuple(sorted(r.region for r in records if r.region != own.region and r.outer_step < target))
-    if behind and now < deadline:
-        return Wait(deadline, behind)
-    canonical = needs_resync(own, [r for r in records if r.outer_step >= target])
-    return Adopt(canonical) if canonical is not None else Finish()
+    others = [r for r in records if r.region != own.region]
+    if not any(r.phase == FINISHED for r in others):
+        behind = tuple(sorted(r.region for r in others if r.outer_step < target))
+        if behind and now < deadline:
+            return Wait(deadline, behind)
+    final = final_state([r for r in others if r.outer_step >= target] + [own])
+    return Adopt(final) if final.digest != own.digest else Finish()
+
+
+def final_state(records: list[StateRecord]) -> StateRecord | None:
+    """The state a run ends with: that of the regions that already finished (it can no longer change, so
+    whoever comes later takes it), else the canonical one. The driver exports the same."""
+    return choose_canonical([r for r in records if r.phase == FINISHED]) or choose_canonical(records)
 
 
 def join_target(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:

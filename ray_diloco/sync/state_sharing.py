@@ -128,7 +128,7 @@ class StateSharer:
     def _record_value(self) -> dict:
         r = self._record
         return dict(outer_step=r.outer_step, digest=r.digest, group_size=r.group_size, phase=r.phase,
-                    peer_id=self.peer_id.to_base58())
+                    ready_since=r.ready_since, peer_id=self.peer_id.to_base58())
 
     def _refresh_periodically(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -160,14 +160,15 @@ class StateSharer:
                 self._served = served
             self._store_locked(self._record_value())
 
-    def set_phase(self, phase: str) -> None:
-        """Store our record again with another phase (ready to average, sitting out): the served state stays."""
+    def set_phase(self, phase: str, ready_since: float = 0.0) -> None:
+        """Store our record again with another phase (ready to average since `ready_since`, sitting out,
+        finished): the served state stays."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} is not one of {PHASES}")
         with self._lock:
             if self._record is None:
                 raise RuntimeError(f"[{self.region}] nothing published yet")
-            self._record = dataclasses.replace(self._record, phase=phase)
+            self._record = dataclasses.replace(self._record, phase=phase, ready_since=ready_since)
             self._store_locked(self._record_value())
 
     def _holders(self) -> list[tuple[StateRecord, PeerID]]:
@@ -182,7 +183,8 @@ class StateSharer:
             try:
                 phase = str(value.get("phase", TRAINING))
                 record = StateRecord(str(region), int(value["outer_step"]), str(value["digest"]),
-                                     int(value["group_size"]), phase if phase in PHASES else TRAINING)
+                                     int(value["group_size"]), phase if phase in PHASES else TRAINING,
+                                     float(value.get("ready_since", 0.0)))
                 holders.append((record, PeerID.from_base58(value["peer_id"])))
             except (TypeError, KeyError, ValueError):  # a malformed entry
                 continue
