@@ -166,8 +166,9 @@ def test_kuberay_manifests(path):
     spec = cluster["spec"]
     assert spec.get("enableInTreeAutoscaling") is True, f"{path.name}: without autoscaling the replica range is unused"
     for group in spec["workerGroupSpecs"]:
-        low, high = group["minReplicas"], group["maxReplicas"]
-        assert low <= group.get("replicas", low) <= high, f"{path.name}: {group['groupName']} replicas out of range"
+        name, low, high = group["groupName"], group["minReplicas"], group["maxReplicas"]
+        assert 0 <= low <= high, f"{path.name}: {name} has minReplicas {low} > maxReplicas {high}"
+        assert low <= group.get("replicas", low) <= high, f"{path.name}: {name} replicas outside [min, max]"
     metadata = {"namespace": "default", **cluster["metadata"]}
     check_region_cluster(_derive_autoscaling_config_from_ray_cr({**cluster, "metadata": metadata}), region,
                          f"{path.name} (as Ray's autoscaler reads it)")
