@@ -13,15 +13,19 @@ shared bucket (checkpoints, peer files, results). No multiaddrs are copied: ever
 """
 
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 from test_job_submit import RAY, ROOT, Head, job_status, wait_for_log
 
 from ray_diloco.config import ExperimentConfig
+from ray_diloco.worker import SLOW_REGION_ENV_VAR
 
 REGIONS = ("us", "eu", "ap")
 OUTER_STEPS = 6
+US_SLOWDOWN = 25.0
 
 
 def run_config(storage) -> str:
@@ -39,7 +43,7 @@ def submit(head: Head, config: str, region: str) -> str:
     done = head.submit(ROOT, "--no-wait", "--config", config, "--local-regions", region, cli_args_first=True,
                        timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return next(word for word in (done.stdout + done.stderr).split() if word.startswith("raysubmit_")).strip("'")
+    return re.search(r"raysubmit_[A-Za-z0-9]+", done.stdout + done.stderr).group(0)
 
 
 def wait_until_done(jobs: dict, timeout: float) -> None:
@@ -65,8 +69,10 @@ def logs(head: Head, job_id: str) -> str:
 def heads(tmp_path):
     started = []
 
-    def start():
-        started.append(Head(3, tmp_path))
+    def start(env=None):
+        # One token for all heads: on one machine, a job driver of one head may read another's session (not so
+        # with one head per region on machines of their own).
+        started.append(Head(4, tmp_path, token=started[0].token if started else None, env=env))
         return started[-1]
 
     yield start
@@ -78,11 +84,12 @@ def test_three_clusters_find_each_other_train_together_and_agree(heads, tmp_path
     storage = tmp_path / "bucket"
     storage.mkdir()
     config = run_config(storage)
-    us, eu = heads(), heads()
+    # us's workers sleep after each H steps (the test-only hook, through its head's environment): the rounds take
+    # long enough for ap's cluster to start and join mid-run, at no CPU cost on this 2-core machine.
+    us, eu, ap = heads({SLOW_REGION_ENV_VAR: f"us:{US_SLOWDOWN}"}), heads(), heads()
     jobs = {"us": (us, submit(us, config, "us")), "eu": (eu, submit(eu, config, "eu"))}
     wait_for_log(us, jobs["us"][1], f"outer step 1/{OUTER_STEPS} synced", timeout=400)
-    ap = heads()
-    jobs["ap"] = (ap, submit(ap, config, "ap"))
+    jobs["ap"] = (ap, submit(ap, config, "ap"))  # ap's region starts after the others' first outer step
     wait_until_done(jobs, timeout=900)
 
     results = storage / "results" / "clusters"
@@ -99,7 +106,8 @@ def test_three_clusters_find_each_other_train_together_and_agree(heads, tmp_path
     assert len(joined) == 1 and joined[0]["to_step"] >= 1, summaries["ap"]["events"]
     assert rounds["us"][-1]["group_size"] == 3 and rounds["us"][-1]["peers"] == sorted(REGIONS)
 
-    files = {region: summaries[region]["data_files"][region] for region in REGIONS}
+    # each job reads its own upload of the working directory: compare the files by name
+    files = {region: {Path(f).name for f in summaries[region]["data_files"][region]} for region in REGIONS}
     assert all(files.values()), files
     assert sum(len(f) for f in files.values()) == len(set().union(*files.values())), files  # disjoint
 

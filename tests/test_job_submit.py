@@ -39,15 +39,20 @@ def free_port() -> int:
 class Head:
     """`ray start --head --block` on free ports; `env` points `ray job` and `ray.init` at it."""
 
-    def __init__(self, num_cpus: int, tmp: Path):
+    def __init__(self, num_cpus: int, tmp: Path, token: Path | None = None, env: dict | None = None):
         self.port, self.dashboard_port = free_port(), free_port()
         # A home of its own, as on a fresh machine: the README's first command makes the token there, the
         # head, its jobs and the clients read it, and the default results directory lands under it.
         self.home = tmp / f"home-{self.port}"
         self.home.mkdir()
         self.env = {**os.environ, "HOME": str(self.home), "RAY_ADDRESS": f"127.0.0.1:{self.port}",
-                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
-        subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=True)
+                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}", **(env or {})}
+        self.token = self.home / ".ray" / "auth_token"
+        if token is None:
+            subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=True)
+        else:  # several heads on one machine: a job driver may read the newest session's token (Ray 2.60)
+            self.token.parent.mkdir()
+            shutil.copy2(token, self.token)
         self.env["RAY_AUTH_MODE"] = "token"
         self.log = open(tmp / f"head-{self.port}.log", "w")
         self.process = subprocess.Popen(
