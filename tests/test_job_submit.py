@@ -39,14 +39,14 @@ def free_port() -> int:
 class Head:
     """`ray start --head --block` on free ports; `env` points `ray job` and `ray.init` at it."""
 
-    def __init__(self, num_cpus: int, tmp: Path, token: Path | None = None, env: dict | None = None):
+    def __init__(self, num_cpus: int, tmp: Path, token: Path | None = None):
         self.port, self.dashboard_port = free_port(), free_port()
         # A home of its own, as on a fresh machine: the README's first command makes the token there, the
         # head, its jobs and the clients read it, and the default results directory lands under it.
         self.home = tmp / f"home-{self.port}"
         self.home.mkdir()
         self.env = {**os.environ, "HOME": str(self.home), "RAY_ADDRESS": f"127.0.0.1:{self.port}",
-                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}", **(env or {})}
+                    "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"}
         self.token = self.home / ".ray" / "auth_token"
         if token is None:
             subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=True)
@@ -78,7 +78,10 @@ class Head:
         for _ in range(30):  # a fresh head answers `ray job list` before its job agent takes jobs
             done = subprocess.run(command, cwd=working_dir, env=self.env, capture_output=True, text=True,
                                   timeout=timeout)
-            if "No available agent to submit job" not in done.stdout + done.stderr:
+            output = done.stdout + done.stderr
+            # a fresh head's dashboard may also drop the first connections on a loaded machine
+            if not any(text in output for text in ("No available agent to submit job", "Connection aborted",
+                                                    "Connection refused")):
                 return done
             time.sleep(2)
         return done
