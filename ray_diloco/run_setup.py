@@ -108,6 +108,20 @@ def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> d
     return {region: max((s for s in steps if s <= target), default=None) for region, steps in committed.items()}
 
 
+def no_checkpoint_error(cfg: ExperimentConfig) -> ConfigError:
+    return ConfigError(f"--resume: no committed checkpoint of run {cfg.run.name} under {cfg.run.checkpoint_root()}; "
+                       "was it started with --checkpoint-every, and with this --run-name and --checkpoint-path?")
+
+
+def require_checkpoints(cfg: ExperimentConfig) -> None:
+    """--resume with nothing to resume from is said at once, before the slower checks (tokenizer, model)."""
+    from ray_diloco.checkpoint import CheckpointStore, join
+
+    root = cfg.run.checkpoint_root()
+    if not any(CheckpointStore(join(root, r.name)).steps() for r in cfg.local_regions()):
+        raise no_checkpoint_error(cfg)
+
+
 def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
     """Per region: the outer step it resumes from, or None for a fresh start. `--resume` insists on one."""
     from ray_diloco.checkpoint import CONFIG_FILE, CheckpointStore, join
@@ -117,8 +131,7 @@ def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
     plan = choose_resume_steps({name: store.steps() for name, store in stores.items()}, cfg.run.checkpoint_every)
     if all(step is None for step in plan.values()):
         if cfg.run.resume:
-            raise ConfigError(f"--resume: no committed checkpoint of run {cfg.run.name} under {root}; was it "
-                              "started with --checkpoint-every, and with this --run-name and --checkpoint-path?")
+            raise no_checkpoint_error(cfg)
         return plan
     region, step = next((r, s) for r, s in plan.items() if s is not None)
     store = stores[region]
@@ -167,6 +180,8 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
     if cfg.run.name is None:
         raise ConfigError("run.name: give the run a name (--run-name)")
     cfg = resolve_paths(cfg)
+    if cfg.run.resume and cfg.run.mode == "diloco":
+        require_checkpoints(cfg)
     check_data(cfg.data, len(cfg.regions) if cfg.run.mode == "diloco" else len(groups), cfg.run.seed)
     if cfg.run.init_from and not Path(cfg.run.init_from, "config.json").is_file():
         raise ConfigError(f"--init-from: {cfg.run.init_from} holds no config.json; give a run's model/ directory "
