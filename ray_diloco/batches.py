@@ -1,9 +1,8 @@
-"""A worker's stream of training batches: endless over epochs, resumable, and fingerprinted.
+"""A worker's share of its region's batches: resumable at a region-level position, and fingerprinted.
 
-The stream is the worker's Ray Data shard in a deterministic order (the driver asks Ray Data to preserve
-order and to split without locality hints), so "the first n batches" means the same windows in every run
-with the same data, seed and worker count. That makes the data position a single number: a resumed or
-restarted worker skips the batches it already trained on and goes on with the next window.
+The region's stream is one sequence of batches (`data.stream.RegionStream`); rank r of a group of W ranks that
+starts at region position p trains on batches p + r, p + W + r, … So the position is one number for the region,
+and a group of another size (an elastic resize, a restart with fewer nodes) goes on from it exactly.
 
 Every window handed to training is counted and hashed into an order-independent fingerprint (the sum of
 64-bit BLAKE2b hashes, mod 2^64). Two runs that trained on the same multiset of windows have the same
@@ -16,9 +15,8 @@ import hashlib
 from typing import Any
 
 import numpy as np
+import ray
 import torch
-
-from ray_diloco.data.pipeline import COLUMN
 
 _MOD = 1 << 64
 
@@ -31,67 +29,49 @@ def window_fingerprint(windows: np.ndarray) -> int:
     return total % _MOD
 
 
-def combine_progress(progress: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fingerprint of a group: windows add up, hashes add up mod 2^64 (ranks see disjoint windows)."""
-    fingerprint = sum(int(p["fingerprint"], 16) for p in progress) % _MOD
-    return {"windows": sum(p["windows"] for p in progress), "fingerprint": f"{fingerprint:016x}"}
+START: dict[str, Any] = {"batches": 0, "epoch": 0, "epoch_batches": 0, "windows": 0, "fingerprint": "0" * 16}
+
+
+def region_progress(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The region's position after its ranks' batches (each rank's `WorkerBatches.progress()`, all from the same
+    start): the batch after the last one any rank took (ranks train in lockstep, so every earlier one was
+    taken), and the windows and fingerprint of everything trained so far (ranks take disjoint batches)."""
+    start = ranks[0]["start"]
+    last = max(ranks, key=lambda p: p["batches"])
+    fingerprint = (int(start["fingerprint"], 16) + sum(int(p["fingerprint"], 16) for p in ranks)) % _MOD
+    return {"batches": last["batches"], "epoch": last["epoch"], "epoch_batches": last["epoch_batches"],
+            "windows": start["windows"] + sum(p["windows"] for p in ranks), "fingerprint": f"{fingerprint:016x}"}
 
 
 class WorkerBatches:
-    """`next()` gives the next batch of token windows as a long tensor on `device`; a new epoch starts
-    when the shard is used up. `progress()` is what a checkpoint stores; `WorkerBatches(..., progress=p)`
-    continues right after it. `counters` (a `DataCounters` handle, optional) only feeds the skipped-record
-    count into the error raised when the shard has no batch at all."""
+    """`next()` gives this rank's next batch of token windows as a long tensor on `device`, from `stream` (the
+    region's `RegionStream`). `start`: the region's position where this group begins (`region_progress` of the
+    last completed round; None: the beginning). `progress()` is this rank's part of the region's position
+    (`region_progress` combines the ranks'). Asks for `prefetch` batches ahead, so reading overlaps the step."""
 
-    def __init__(self, shard, batch_size: int, device: torch.device, world_size: int,
-                 progress: dict[str, Any] | None = None, counters: Any = None):
-        self.shard, self.batch_size, self.device, self.world_size = shard, batch_size, device, world_size
-        self.counters = counters
-        self.epoch = self.batches = self.epoch_batches = self.windows = self.fingerprint = 0
-        self._iter = self._new_epoch()
-        if progress:
-            if progress["world_size"] != world_size:
-                raise ValueError(f"the data position was saved with {progress['world_size']} workers in the "
-                                 f"region, now there are {world_size}: each worker's share of the data depends "
-                                 "on the worker count; resume with the same number of workers")
-            # Every epoch is the same sequence: start the saved epoch and read past its consumed part.
-            self.epoch = progress["epoch"]
-            self.skip(progress["epoch_batches"])
-            self.batches, self.windows = progress["batches"], progress["windows"]
-            self.fingerprint = int(progress["fingerprint"], 16)
+    def __init__(self, stream: Any, batch_size: int, device: torch.device, rank: int, world_size: int,
+                 start: dict[str, Any] | None = None, prefetch: int = 2):
+        self.stream, self.batch_size, self.device = stream, batch_size, device
+        self.rank, self.world_size = rank, world_size
+        self.start = dict(start or START)
+        self.anchor = {k: self.start[k] for k in ("batches", "epoch", "epoch_batches")}
+        self.taken = self.windows = self.fingerprint = 0
+        self.position = dict(self.anchor)  # after the last batch this rank took
+        self.prefetch = max(1, prefetch)
+        self._pending: list[Any] = []  # refs of the next batches, in order
+        self._asked = 0
 
-    def _new_epoch(self):
-        # Hashing happens on the host arrays, before the copy to the accelerator.
-        return iter(self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=True))
+    def _index(self, k: int) -> int:
+        return self.anchor["batches"] + k * self.world_size + self.rank
 
     def _next_array(self) -> np.ndarray:
-        batch = next(self._iter, None)
-        if batch is None and self.epoch_batches > 0:  # the epoch is used up: start the next one
-            self.epoch += 1
-            self.epoch_batches = 0
-            self._iter = self._new_epoch()
-            batch = next(self._iter, None)
-        if batch is None:  # a whole epoch without a batch: every later one is empty too
-            raise self._no_batch_error()
-        self.batches += 1
-        self.epoch_batches += 1
-        return batch[COLUMN]
-
-    def _no_batch_error(self) -> RuntimeError:
-        # A bare StopIteration here used to surface only after Ray Train restarted the worker group.
-        skipped = ""
-        if self.counters is not None:
-            import ray
-
-            try:
-                count = ray.get(self.counters.get.remote(), timeout=10)["skipped"]
-                skipped = f" ({count} record(s) skipped so far in this run's data)"
-            except Exception as error:  # the count is a hint; the error below must still be raised
-                skipped = f" (skipped-record count unavailable: {error!r})"
-        return RuntimeError(
-            f"no training windows in this worker's data: the epoch yielded no batch of {self.batch_size} "
-            "windows; check data.path and the skipped-record count (records without a string 'text' are "
-            f"skipped){skipped}")
+        while len(self._pending) < self.prefetch:
+            self._pending.append(self.stream.take.remote(self._index(self._asked), self.anchor))
+            self._asked += 1
+        windows, epoch, epoch_batches = ray.get(self._pending.pop(0))
+        self.position = {"batches": self._index(self.taken) + 1, "epoch": epoch, "epoch_batches": epoch_batches}
+        self.taken += 1
+        return windows
 
     def next(self) -> torch.Tensor:
         windows = self._next_array()
@@ -100,13 +80,11 @@ class WorkerBatches:
         # astype copies: Ray hands out read-only arrays, which torch would otherwise warn about.
         return torch.from_numpy(windows.astype(np.int64)).to(self.device, non_blocking=True)
 
-    def skip(self, batches: int) -> None:
-        """Read past `batches` batches without training on them (they were trained on before a restart).
-        This re-reads and re-tokenizes them: time linear in the position within the epoch."""
-        for _ in range(batches):
-            self._next_array()
+    @property
+    def epoch(self) -> int:
+        return self.position["epoch"]
 
     def progress(self) -> dict[str, Any]:
-        return {"batches": self.batches, "epoch": self.epoch, "epoch_batches": self.epoch_batches,
-                "windows": self.windows,
-                "fingerprint": f"{self.fingerprint:016x}", "world_size": self.world_size}
+        """Where this rank stands and what it trained on since `start` (which travels along: see region_progress)."""
+        return {**self.position, "windows": self.windows, "fingerprint": f"{self.fingerprint:016x}",
+                "start": self.start}

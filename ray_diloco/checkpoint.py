@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -42,8 +42,8 @@ class OuterCheckpoint:
     outer_step: int
     theta: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
-    # rank -> `WorkerBatches.progress()`: what each worker of the region has consumed so far.
-    progress: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # The region's data position (`batches.region_progress`): what its workers have consumed so far.
+    progress: dict[str, Any] | None = None
     worker_checkpoint: str | None = None
     tokens: int = 0  # trained by the region so far
     config_yaml: str = ""

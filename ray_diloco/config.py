@@ -202,12 +202,16 @@ class OuterConfig:
         )
 
 
+_WORKER_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+
+
 @dataclass(kw_only=True)
 class RegionConfig:
-    """One region: one model replica trained by `workers` FSDP2 ranks."""
+    """One region: one model replica trained by `workers` FSDP2 ranks — a count, or a range "min..max" (an elastic
+    region: Ray Train starts and restarts its group with as many workers as the cluster has room for)."""
 
     name: str
-    workers: int = 1
+    workers: int | str = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
 
@@ -218,9 +222,28 @@ class RegionConfig:
             "regions[].name",
             f"{self.name!r} must be lowercase letters, digits and '-', at most 31 characters",
         )
-        _require(self.workers >= 1, f"regions[{self.name}].workers", f"must be >= 1, got {self.workers}")
+        where = f"regions[{self.name}].workers"
+        if isinstance(self.workers, str):
+            match = _WORKER_RANGE.match(self.workers)
+            _require(match is not None, where, f"{self.workers!r}: give a count (2) or a range min..max (2..8)")
+            low, high = int(match.group(1)), int(match.group(2))
+            _require(1 <= low <= high, where, f"{self.workers!r}: need 1 <= min <= max")
+            self.workers = low if low == high else f"{low}..{high}"
+        _require(self.min_workers >= 1, where, f"must be >= 1, got {self.workers}")
         _require(self.cpus_per_worker > 0, f"regions[{self.name}].cpus_per_worker", "must be > 0")
         _require(self.gpus_per_worker >= 0, f"regions[{self.name}].gpus_per_worker", "must be >= 0")
+
+    @property
+    def min_workers(self) -> int:
+        return int(str(self.workers).split("..")[0])
+
+    @property
+    def max_workers(self) -> int:
+        return int(str(self.workers).split("..")[-1])
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
 
 
 @dataclass(kw_only=True)
@@ -262,6 +285,9 @@ class RunConfig:
     stop_timeout_seconds: float = 300.0
     """After a stop request (`ray job stop`, SIGTERM, Ctrl-C) the driver waits this long for every region to
     finish its round and checkpoint it, then gives up (jobs/runtime_env.yaml lets Ray wait longer than this)."""
+    resize_check_seconds: float = 60.0
+    """An elastic region (`workers: min..max`): how often Ray Train looks for room for more workers while the
+    group trains (then restarts it, bigger, from the last checkpoint: the steps since it are trained again)."""
 
     def peers_dir(self) -> str:
         """Where each region's SyncActor writes its Hivemind multiaddrs for the others to find:
@@ -287,6 +313,7 @@ class RunConfig:
         _require(self.max_failures >= 0, "run.max_failures", f"must be >= 0, got {self.max_failures}")
         _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
         _require(self.stop_timeout_seconds > 0, "run.stop_timeout_seconds", "must be > 0")
+        _require(self.resize_check_seconds > 0, "run.resize_check_seconds", "must be > 0")
         _require(self.mode == "diloco" or not (self.checkpoint_every or self.resume), "run.checkpoint_every",
                  f"checkpoints and --resume are for DiLoCo runs; mode {self.mode!r} does not checkpoint")
 
@@ -312,6 +339,16 @@ class ExperimentConfig:
                  "name each region once")
         _require(self.run.mode == "diloco" or not self.run.local_regions, "run.local_regions",
                  "only DiLoCo runs span Ray clusters; ddp and single run in one")
+
+    def check_elastic(self) -> None:
+        """Worker ranges only where one region runs in this Ray cluster (checked once the flags are applied: the
+        config lists every region of the run, `--local-regions` picks this cluster's). Ray Train's elastic resize
+        counts the free resources of the whole cluster, not of a region's nodes: two elastic groups in one
+        cluster would each size themselves on the other's nodes."""
+        elastic = [r.name for r in self.regions if r.elastic]
+        _require(not elastic or (self.run.mode == "diloco" and len(self.local_regions()) == 1), "regions[].workers",
+                 f"worker ranges ({', '.join(elastic)}) need one region per Ray cluster: run each cluster with "
+                 "--local-regions <its region> (in one cluster, or in ddp/single mode, give fixed counts)")
 
     def local_regions(self) -> list[RegionConfig]:
         """The regions this driver runs (all of them unless run.local_regions names some)."""
@@ -384,7 +421,7 @@ def _check_type(value: Any, hint: Any, field_name: str) -> Any:
 
 
 
-# What a continued run must keep: the model's shape, the regions and their worker counts, which windows each
+# What a continued run must keep: the model's shape, the regions (not their worker counts), which windows each
 # worker reads in what order (data source, tokenizer, cutting, seed) and where schedules and data positions
 # stand (H, grad_accum). Everything else (outer_steps, eval_every, learning rates, timeouts…) may change.
 RESUME_FIXED = ("model", "regions", "data.path", "data.hf_dataset", "data.hf_config", "data.tokenizer",
@@ -396,9 +433,11 @@ _NOT_COMPARED = ("run.name", "run.resume", "run.output_dir", "run.checkpoint_pat
 def _flatten(cfg: ExperimentConfig) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for section, values in cfg.to_dict().items():
-        if section == "regions":  # names and worker counts shape the run; per-worker resources may change
-            flat["regions"] = [(r["name"], r["workers"]) for r in values]
-            flat["region_resources"] = [(r["cpus_per_worker"], r["gpus_per_worker"]) for r in values]
+        # Names shape the run (the data split); worker counts may change: checkpoints re-shard, positions are
+        # the region's.
+        if section == "regions":
+            flat["regions"] = [r["name"] for r in values]
+            flat["region_workers"] = [(r["workers"], r["cpus_per_worker"], r["gpus_per_worker"]) for r in values]
         else:
             flat.update({f"{section}.{key}": value for key, value in values.items()})
     return flat

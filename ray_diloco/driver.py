@@ -18,14 +18,15 @@ from typing import Any
 
 import ray
 import torch
-from ray.data import ExecutionOptions
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_diloco.checkpoint import join
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets, region_file_shares
+from ray_diloco.data.stream import RegionStream
 from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
 from ray_diloco.live_summary import LiveSummary
@@ -106,6 +107,24 @@ def region_placement(region: RegionConfig) -> dict[str, str] | None:
     return {REGION_LABEL: region.name} if region.name in labelled else None
 
 
+def on_driver_node() -> dict[str, Any]:
+    """Actor options that keep an actor on the driver's node (the head, under `ray job submit`): worker nodes come
+    and go with the autoscaler, and an actor that holds run state must not go with them. Not soft: Ray's soft
+    affinity placed actors on worker nodes while the head had room (seen with 3 nodes here)."""
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
+def actor_placement(region: RegionConfig) -> dict[str, Any]:
+    """Where a region's SyncActor and RegionStream run: beside the driver when the region is elastic (its worker
+    nodes come and go; the SyncActor holds the region's outer state), else on the region's labelled nodes when
+    the cluster defines regions."""
+    if region.elastic:
+        return on_driver_node()
+    selector = region_placement(region)
+    return {"label_selector": selector} if selector else {}
+
+
 def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], record_rounds: bool = False,
                       evaluator: Any = None) -> list[Any]:
     """The first region's actor bootstraps the DHT; the others join it with its multiaddrs. `resume`: the
@@ -118,10 +137,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     for region in cfg.local_regions():
         step = resume[region.name]
         options: dict[str, Any] = {"name": f"diloco-sync-{cfg.run.name}-{region.name}",
-                                   "num_cpus": cfg.outer.sync_actor_cpus}
-        selector = region_placement(region)
-        if selector:
-            options["label_selector"] = selector
+                                   "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region)}
         # One evaluator for the run: θ_global is the same in every region.
         actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds,
                                                     evaluator if not actors else None, step)
@@ -132,15 +148,18 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     return actors
 
 
-def deterministic_ingest() -> DataConfig:
-    """Each worker's stream in the same order in every run, so a data position is a batch count: Ray Data
-    keeps the blocks' order, and splits them across workers without locality hints (those depend on where
-    blocks happen to be computed; inside one region the nodes share a fast network)."""
-    return DataConfig(execution_options=ExecutionOptions(preserve_order=True), enable_shard_locality=False)
+def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], datasets: list[Any], counters: Any) -> list[Any]:
+    """One `RegionStream` per group: the one reader of its region's data, on the region's nodes. Not Ray Train's
+    dataset split: a rank's rows there depend on the worker count, and an elastic group changes it."""
+    streams = []
+    for group, dataset in zip(groups, datasets):
+        options = actor_placement(group)
+        streams.append(RegionStream.options(**options).remote(dataset, cfg.data.batch_size, counters))
+    return streams
 
 
-def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluator: Any,
-                 dataset: Any, counters: Any) -> TorchTrainer:
+def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluator: Any, stream: Any
+                 ) -> TorchTrainer:
     selector = region_placement(group)
     resources = {"CPU": group.cpus_per_worker}
     if group.gpus_per_worker:
@@ -149,17 +168,18 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluat
     return TorchTrainer(
         region_train_loop,
         train_loop_config={"experiment": cfg.to_dict(), "region": group.name, "sync_actor": actor,
-                           "evaluator": evaluator, "data_counters": counters,
+                           "evaluator": evaluator, "stream": stream,
                            "threads_per_worker": max(1, int(group.cpus_per_worker)),
                            "worker_checkpoints": join(cfg.run.checkpoint_root(), experiment)},
-        scaling_config=ScalingConfig(num_workers=group.workers, use_gpu=group.gpus_per_worker > 0,
+        # A range lets Ray Train (re)start the group with the workers the cluster has room for (elastic).
+        scaling_config=ScalingConfig(num_workers=(group.min_workers, group.max_workers) if group.elastic
+                                     else group.workers, use_gpu=group.gpus_per_worker > 0,
+                                     elastic_resize_monitor_interval_s=cfg.run.resize_check_seconds,
                                      resources_per_worker=resources, label_selector=selector),
         run_config=RunConfig(name=experiment, storage_path=cfg.run.checkpoint_root(),
                              failure_config=FailureConfig(max_failures=cfg.run.max_failures),
                              # The SyncActor keeps its two newest outer checkpoints; these match them.
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        datasets={"train": dataset},
-        dataset_config=deterministic_ingest(),
     )
 
 
@@ -254,22 +274,25 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
     # Progress bars and execution plans of Ray Data interleave with the status lines; per-step lines say more.
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = context.print_on_execution_start = False
-    counters = DataCounters.remote()
+    counters = DataCounters.options(**on_driver_node()).remote()  # every pack task of the run reports to it
     if cfg.run.mode == "diloco":  # the split follows the run's full region list (other clusters run the rest)
         names = [r.name for r in cfg.regions]
         datasets = build_region_datasets(cfg.data, len(names), cfg.run.seed, counters,
                                          [names.index(g.name) for g in groups])
     else:
         datasets = build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
-    evaluator = Evaluator.options(num_cpus=EVALUATOR_CPUS).remote(cfg.to_dict(), windows) \
+    # Beside the driver where nodes come and go (an elastic region); anywhere else (it needs a CPU share).
+    placement = on_driver_node() if any(g.elastic for g in groups) else {}
+    evaluator = Evaluator.options(num_cpus=EVALUATOR_CPUS, **placement).remote(cfg.to_dict(), windows) \
         if cfg.run.eval_every else None
     actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator) \
         if cfg.run.mode == "diloco" else [None] * len(groups)
     live = LiveSummary([g.name for g in groups], actors, evaluator, cfg.run.outer_steps,
                        patience=2 * cfg.outer.matchmaking_seconds) if cfg.run.mode == "diloco" else None
+    streams = start_streams(cfg, groups, datasets, counters)
     try:
-        trainers = [make_trainer(cfg, group, actor, evaluator, dataset, counters)
-                    for group, actor, dataset in zip(groups, actors, datasets)]
+        trainers = [make_trainer(cfg, group, actor, evaluator, stream)
+                    for group, actor, stream in zip(groups, actors, streams)]
         with GracefulStop(actors, cfg.run.stop_timeout_seconds), ThreadPoolExecutor(len(trainers)) as pool:
             # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
             outcomes = list(pool.map(_fit, trainers, actors))
@@ -303,7 +326,7 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
         for actor in actors:
             if actor is not None:
                 _stop_sync_actor(actor)
-        for helper in (evaluator, counters):  # run-scoped actors: a second run in this process starts anew
+        for helper in (evaluator, counters, *streams):  # run-scoped: a second run in this process starts anew
             if helper is not None:
                 ray.kill(helper)
     return TrainingOutcome(stats, worker_results, finished, final_state, curve, data_counts)
@@ -314,8 +337,8 @@ def baseline_outcome(cfg: ExperimentConfig, group: RegionConfig, rank0: dict,
     """θ and the per-group stats of a ddp or single run (one group, no outer step): rank 0 returned the model."""
     final_state = {name: torch.tensor(a) for name, a in rank0.pop("final_state").items()}
     steps = cfg.total_inner_steps
-    sent = data_parallel_bytes(num_params, group.workers, steps)
-    stats = [{"region": group.name, "tokens": rank0["tokens_per_worker"] * group.workers,
+    sent = data_parallel_bytes(num_params, group.max_workers, steps)
+    stats = [{"region": group.name, "tokens": rank0["tokens_per_worker"] * group.max_workers,
               "bytes_sent": sent, "bytes_received": sent, "sync_seconds": 0.0, "rounds": [],
               "digest": state_digest(final_state)}]
     return final_state, stats

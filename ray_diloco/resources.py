@@ -16,9 +16,11 @@ from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
 EVALUATOR_CPUS = 0.5  # the held-out evaluator: a forward pass over a few windows every eval_every outer steps
 
 
-def run_needs(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, dict[str, float]]:
-    """Resource -> {what needs it: amount}, for the training groups of this driver."""
-    cpus = {f"{g.workers} worker(s) x {g.cpus_per_worker:g} CPU in {g.name}": g.workers * g.cpus_per_worker
+def run_needs(cfg: ExperimentConfig, groups: list[RegionConfig], at_most: bool = False) -> dict[str, dict[str, float]]:
+    """Resource -> {what needs it: amount}, for the training groups of this driver: to start (an elastic region
+    starts with its minimum worker count), or `at_most` (every region at its maximum)."""
+    count = {g.name: g.max_workers if at_most else g.min_workers for g in groups}
+    cpus = {f"{count[g.name]} worker(s) x {g.cpus_per_worker:g} CPU in {g.name}": count[g.name] * g.cpus_per_worker
             for g in groups}
     if cfg.run.mode == "diloco":
         cpus[f"{len(groups)} SyncActor(s) x {cfg.outer.sync_actor_cpus:g} (outer.sync_actor_cpus)"] = \
@@ -27,7 +29,7 @@ def run_needs(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, di
         cpus["the evaluator"] = EVALUATOR_CPUS
     cpus["Ray Data tasks (data.read_num_cpus)"] = cfg.data.read_num_cpus
     needs = {"CPU": cpus}
-    gpus = {f"{g.workers} worker(s) x {g.gpus_per_worker:g} GPU in {g.name}": g.workers * g.gpus_per_worker
+    gpus = {f"{count[g.name]} worker(s) x {g.gpus_per_worker:g} GPU in {g.name}": count[g.name] * g.gpus_per_worker
             for g in groups if g.gpus_per_worker}
     if gpus:
         needs["GPU"] = gpus
@@ -41,7 +43,7 @@ def total(parts: dict[str, float]) -> float:
 def local_cpus_for(cfg: ExperimentConfig, groups: list[RegionConfig], cores: int) -> int:
     """Logical CPUs of a private local Ray: every worker and actor gets a slot even on a 2-core machine
     (they take turns on the cores; torch threads per worker are pinned)."""
-    return max(cores, math.ceil(total(run_needs(cfg, groups)["CPU"]) - 1e-9))
+    return max(cores, math.ceil(total(run_needs(cfg, groups, at_most=True)["CPU"]) - 1e-9))
 
 
 def check_fits(needs: dict[str, dict[str, float]], have: dict[str, float],

@@ -30,7 +30,7 @@ def training_groups(cfg: ExperimentConfig) -> list[RegionConfig]:
         return cfg.local_regions()
     template = cfg.regions[0]
     if cfg.run.mode == "ddp":
-        return [dataclasses.replace(template, name="ddp", workers=sum(r.workers for r in cfg.regions))]
+        return [dataclasses.replace(template, name="ddp", workers=sum(r.max_workers for r in cfg.regions))]
     return [dataclasses.replace(template, name="single", workers=1)]
 
 
@@ -179,6 +179,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
 
     if cfg.run.name is None:
         raise ConfigError("run.name: give the run a name (--run-name)")
+    cfg.check_elastic()
     cfg = resolve_paths(cfg)
     if cfg.run.resume and cfg.run.mode == "diloco":
         require_checkpoints(cfg)

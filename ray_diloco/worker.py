@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ray_diloco import metrics
-from ray_diloco.batches import WorkerBatches, combine_progress
+from ray_diloco.batches import WorkerBatches, region_progress
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.inner import build_inner_optimizer, reset_nonfinite_state
 from ray_diloco.model import build_model
@@ -148,7 +148,7 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
     rows = point["rows"]
     inner_position = point["outer_step"] * inner_steps
     if point["worker_checkpoint"] is not None:
-        meta = load_worker_checkpoint(point["worker_checkpoint"], model, inner_step.optimizer, rank, world_size)
+        meta = load_worker_checkpoint(point["worker_checkpoint"], model, inner_step.optimizer)
         mismatched = [name for name, p in model.named_parameters() if not _equals_rows(local_shard(p), rows[name])]
         if mismatched or meta["outer_step"] != point["outer_step"]:
             raise RuntimeError(f"worker checkpoint {point['worker_checkpoint']} (outer step {meta['outer_step']}) "
@@ -169,12 +169,12 @@ def _equals_rows(shard: torch.Tensor, rows: torch.Tensor) -> bool:
     return torch.equal(shard, rows.to(shard).reshape(shard.shape))
 
 
-def checkpoint_region(sync_actor, model, inner_step: InnerStep, batches: WorkerBatches, experiment_uri: str,
-                      outer_step: int, rank: int, world_size: int) -> None:
+def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: str, outer_step: int, rank: int,
+                      world_size: int) -> None:
     """Worker checkpoint first (every rank uploads), then the SyncActor commits its outer checkpoint that
     points at it: a committed outer checkpoint always has a complete worker checkpoint beside it."""
     location = save_worker_checkpoint(model, inner_step.optimizer, experiment_uri, outer_step,
-                                      inner_step.scheduler.last_epoch, batches.progress(), rank)
+                                      inner_step.scheduler.last_epoch, rank, world_size)
     if world_size > 1:
         dist.barrier()  # every rank's upload is done
     if rank == 0:
@@ -204,8 +204,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     if sync_actor is not None:
         ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname()))
         start_outer, progress = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
-    batches = WorkerBatches(ray.train.get_dataset_shard("train"), cfg.data.batch_size, device, world_size,
-                            progress, counters=loop_config.get("data_counters"))
+    batches = WorkerBatches(loop_config["stream"], cfg.data.batch_size, device, rank, world_size, progress)
 
     tokens_total, last_sync_seconds, sync_seconds_total, checkpoint_seconds = 0, 0.0, 0.0, 0.0
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits
@@ -260,8 +259,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             every = cfg.run.checkpoint_every
             if stop or (every and outer_step % every == 0):
                 checkpoint_started = time.perf_counter()
-                checkpoint_region(sync_actor, model, inner_step, batches, loop_config["worker_checkpoints"],
-                                  outer_step, rank, world_size)
+                checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
+                                  rank, world_size)
                 checkpoint_seconds += time.perf_counter() - checkpoint_started
             if stop:  # the run was asked to stop; started again under its name, it goes on from here
                 stopped = True
@@ -272,14 +271,14 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 state = full_state(model)  # every rank takes part in the gather
                 if rank == 0:
                     evaluator.evaluate.remote(outer_step, state)
-    # Every rank's data progress, for the group's fingerprint of the windows it trained on.
+    # Every rank's data progress, for the region's position and fingerprint of the windows it trained on.
     progress_by_rank = [None] * world_size
     if world_size > 1:
         dist.all_gather_object(progress_by_rank, batches.progress())
     else:
         progress_by_rank = [batches.progress()]
     result = {"rank": rank, "tokens_per_worker": tokens_total, "epochs": batches.epoch, "world_size": world_size,
-              "data": combine_progress(progress_by_rank),
+              "data": region_progress(progress_by_rank),
               "median_step_tokens_per_second": statistics.median(step_rates) if step_rates else 0.0,
               # Time in the loop, and the parts of it this rank waited on outer steps and wrote checkpoints:
               # the rest is compute (compute utilization).

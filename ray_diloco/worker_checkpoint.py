@@ -5,8 +5,11 @@ run's storage (`RunConfig(storage_path=…)`: a local path, `s3://…` or `gs://
 
 - its FSDP2 shards of the model and of the inner AdamW state, with `torch.distributed.checkpoint` (one file
   per rank, plus rank 0's metadata; Ray Train merges the ranks' uploads into one directory);
-- `rank-<r>.json`: the outer step, the inner step (the learning-rate schedule's position) and the rank's
-  data progress (`WorkerBatches.progress`).
+- rank 0 also writes `meta.json`: the outer step, the inner step (the learning-rate schedule's position) and
+  the worker count that wrote it.
+
+A group of another size loads it too: `torch.distributed.checkpoint` re-shards the model and AdamW state to the
+loading group's mesh (the elastic resize of a region). The data position is the region's, kept by the SyncActor.
 
 The directory is named after the outer step, so the region's SyncActor — which commits its own outer
 checkpoint only after every rank has uploaded — can point a resumed or restarted worker at exactly the
@@ -29,19 +32,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ray_diloco.checkpoint import join
 
 
+META_FILE = "meta.json"
+
+
 def checkpoint_name(outer_step: int) -> str:
     return f"checkpoint-outer-{outer_step:06d}"
 
 
 def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experiment_uri: str,
-                           outer_step: int, inner_step: int, progress: dict[str, Any], rank: int) -> str:
+                           outer_step: int, inner_step: int, rank: int, world_size: int) -> str:
     """Every rank of the group calls this (collective); returns where the checkpoint is stored."""
     model_state, optim_state = get_state_dict(model, optimizer)
     local = tempfile.mkdtemp(prefix="diloco-ckpt-")
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=local)
-        meta = {"outer_step": outer_step, "inner_step": inner_step, "progress": progress}
-        Path(local, f"rank-{rank}.json").write_text(json.dumps(meta))
+        if rank == 0:
+            meta = {"outer_step": outer_step, "inner_step": inner_step, "world_size": world_size}
+            Path(local, META_FILE).write_text(json.dumps(meta))
         name = checkpoint_name(outer_step)
         # Uploads this rank's files and waits for the other ranks (a barrier): when it returns, Ray Train
         # has the whole checkpoint.
@@ -52,16 +59,15 @@ def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return join(experiment_uri, name)
 
 
-def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                           rank: int, world_size: int) -> dict[str, Any]:
-    """Load this rank's model and AdamW shards (collective); returns the rank's saved step and progress."""
+def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                           ) -> dict[str, Any]:
+    """Load this rank's model and AdamW shards (collective), re-sharded when the checkpoint was written by
+    another worker count; returns its meta (outer step, inner step, world size)."""
     checkpoint = ray.train.Checkpoint(location)
     with checkpoint.as_directory() as directory:
-        meta_file = Path(directory, f"rank-{rank}.json")
-        saved_ranks = len(list(Path(directory).glob("rank-*.json")))
-        if saved_ranks != world_size or not meta_file.is_file():
-            raise ValueError(f"worker checkpoint {location} was written by {saved_ranks} worker(s), the region "
-                             f"now has {world_size}: resume with the same number of workers per region")
+        meta_file = Path(directory, META_FILE)
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"worker checkpoint {location} has no {META_FILE}: it is incomplete")
         meta = json.loads(meta_file.read_text())
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}

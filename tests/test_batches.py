@@ -1,14 +1,18 @@
-"""A worker's batch stream: a resumed stream continues with exactly the next window, the fingerprint
-tells two streams apart when one saw a window twice or skipped one, and a shard with no batch at all
-fails with an error that says why (not a bare StopIteration)."""
+"""A region's batch stream: batch i is the same windows whoever asks and however often, so a group of any
+worker count continues from the region's position with no window twice and none skipped; the fingerprint tells
+two streams apart when one saw a window twice or skipped one; data with no batch at all fails with an error that
+says why (not a bare StopIteration)."""
 
 import gc
 
 import numpy as np
 import pytest
 import ray
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ray_diloco.batches import WorkerBatches, combine_progress, window_fingerprint
+from ray_diloco.batches import START, WorkerBatches, region_progress, window_fingerprint
+from ray_diloco.data.stream import PositionalReader, RegionStream
 
 
 def windows(n, seq_len=4):
@@ -24,10 +28,64 @@ def test_fingerprint_is_order_independent_and_sees_repeats_and_gaps():
     assert window_fingerprint(repeated) != reference
 
 
-def test_combine_progress_adds_windows_and_hashes():
-    a = {"windows": 2, "fingerprint": f"{window_fingerprint(windows(2)):016x}"}
-    b = {"windows": 3, "fingerprint": f"{window_fingerprint(windows(5)[2:]):016x}"}
-    assert combine_progress([a, b]) == {"windows": 5, "fingerprint": f"{window_fingerprint(windows(5)):016x}"}
+def epoch_of(data, batch_size):
+    """One epoch of `data` in batches (drop_last), as Ray Data gives them."""
+    return lambda: iter([data[i:i + batch_size] for i in range(0, len(data) - batch_size + 1, batch_size)])
+
+
+def no_batch():
+    return RuntimeError("no training windows")
+
+
+# Batch i of the endless stream of 10 windows in batches of 3 (3 batches per epoch, window 9 dropped).
+def expected_batch(i):
+    return windows(10)[(i % 3) * 3:(i % 3) * 3 + 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=30))
+def test_the_reader_gives_batch_i_whatever_the_order_of_requests(requests):
+    """Requests in any order (ranks ahead, behind, a restarted group going back): always batch i, its epoch and
+    its place in the epoch."""
+    reader = PositionalReader(epoch_of(windows(10), 3), no_batch)
+    for index in requests:
+        batch, epoch, epoch_batches = reader.take(index)
+        assert batch.tolist() == expected_batch(index).tolist()
+        assert (epoch, epoch_batches) == (index // 3, index % 3 + 1)
+
+
+def test_a_rewind_starts_at_the_anchor_epoch_not_at_the_beginning():
+    epochs_started = []
+
+    def new_epoch():
+        epochs_started.append(1)
+        return epoch_of(windows(10), 3)()
+
+    reader = PositionalReader(new_epoch, no_batch)
+    for index in range(8):
+        reader.take(index)
+    started = len(epochs_started)  # epochs 0, 1, 2
+    anchor = {"batches": 7, "epoch": 2, "epoch_batches": 1}  # the group restarts after batch 6
+    assert reader.take(7, anchor)[0].tolist() == expected_batch(7).tolist()
+    assert len(epochs_started) == started + 1 and reader.rewinds == 1  # epoch 2 once more, not 0, 1, 2
+
+
+def test_data_without_a_batch_fails_with_the_readers_error():
+    reader = PositionalReader(lambda: iter([]), no_batch)
+    with pytest.raises(RuntimeError, match="no training windows"):
+        reader.take(0)
+
+
+def test_region_progress_adds_the_ranks_windows_to_the_start():
+    start = {**START, "batches": 4, "epoch": 1, "epoch_batches": 1, "windows": 12,
+             "fingerprint": f"{window_fingerprint(windows(3)):016x}"}
+    ranks = [{"batches": 7, "epoch": 2, "epoch_batches": 1, "windows": 3, "start": start,
+              "fingerprint": f"{window_fingerprint(windows(5)[3:4]):016x}"},
+             {"batches": 6, "epoch": 1, "epoch_batches": 3, "windows": 1, "start": start,
+              "fingerprint": f"{window_fingerprint(windows(5)[4:]):016x}"}]
+    got = region_progress(ranks)
+    assert got == {"batches": 7, "epoch": 2, "epoch_batches": 1, "windows": 16,
+                   "fingerprint": f"{window_fingerprint(windows(5)):016x}"}
 
 
 @pytest.fixture(scope="module")
@@ -37,47 +95,44 @@ def ray_for_data():
     ray.shutdown()
 
 
-def test_a_resumed_stream_goes_on_with_the_next_window_across_epochs(ray_for_data):
+def train_group(stream, world_size, steps, start):
+    """A group of `world_size` ranks in lockstep for `steps` steps: the windows each took, the region position."""
+    ranks = [WorkerBatches(stream, 3, "cpu", rank, world_size, start) for rank in range(world_size)]
+    taken = [rank.next() for _ in range(steps) for rank in ranks]
+    return taken, region_progress([rank.progress() for rank in ranks])
+
+
+def test_groups_of_other_sizes_continue_the_regions_stream_exactly(ray_for_data):
+    """2 workers for 2 steps, then 1 worker for 3 steps (a scale-in), then 2 again (a scale-out): the windows
+    trained are the region's first 11 batches, across epochs, and the fingerprint says so."""
     ds = ray.data.from_numpy(windows(10)).rename_columns({"data": "input_ids"})
-    ds.context.execution_options.preserve_order = True
-    straight = WorkerBatches(ds, batch_size=3, device="cpu", world_size=1)
-    seen = [straight.next() for _ in range(7)]  # 3 batches per epoch (drop_last): epochs 0, 1, 2
-
-    stopped = WorkerBatches(ds, batch_size=3, device="cpu", world_size=1)
-    for _ in range(4):
-        stopped.next()
-    resumed = WorkerBatches(ds, batch_size=3, device="cpu", world_size=1, progress=stopped.progress())
-    rest = [resumed.next() for _ in range(3)]
-
-    for got, want in zip(rest, seen[4:]):
-        assert got.dtype.is_floating_point is False and got.tolist() == want.tolist()
-    assert resumed.progress() == straight.progress()
-    assert straight.progress()["epoch"] == 2 and straight.progress()["windows"] == 21
-    with pytest.raises(ValueError, match="same number of workers"):
-        WorkerBatches(ds, batch_size=3, device="cpu", world_size=2, progress=stopped.progress())
-    del straight, stopped, resumed  # close the streams while Ray is still up
+    stream = RegionStream.remote(ds, 3)
+    trained, position = [], None
+    for world_size, steps in ((2, 2), (1, 3), (2, 1)):
+        taken, position = train_group(stream, world_size, steps, position)
+        trained += taken
+    want = [expected_batch(i) for i in range(9)]
+    assert sorted(t.tolist() for t in trained) == sorted(w.tolist() for w in want)
+    assert position["batches"] == 9 and (position["epoch"], position["epoch_batches"]) == (2, 3)
+    assert position["windows"] == 27
+    assert position["fingerprint"] == f"{sum(window_fingerprint(w) for w in want) % 2**64:016x}"
+    # A group that died after its steps restarts from the last completed position: it gets those batches again.
+    again, _ = train_group(stream, 2, 1, {**position, "batches": 7, "epoch": 2, "epoch_batches": 1,
+                                         "windows": 21})
+    assert sorted(t.tolist() for t in again) == sorted(expected_batch(i).tolist() for i in (7, 8))
+    ray.kill(stream)
     gc.collect()
 
 
-class EmptyShard:
-    """A dataset shard whose every epoch yields nothing (all records skipped, or fewer windows than a batch)."""
-
-    def iter_batches(self, **kwargs):
-        return iter([])
-
-
-def test_an_empty_shard_fails_with_a_clear_error():
-    batches = WorkerBatches(EmptyShard(), batch_size=3, device="cpu", world_size=1)
-    with pytest.raises(RuntimeError, match=r"no training windows .* no batch of 3 windows; check data.path"):
-        batches.next()
-
-
-def test_the_empty_shard_error_gives_the_skipped_count(ray_for_data):
+def test_an_empty_dataset_error_gives_the_skipped_count(ray_for_data):
     from ray_diloco.data.pipeline import DataCounters
 
     counters = DataCounters.remote()
     ray.get(counters.add.remote(b"batch", 7, 0, 0, 0))
-    batches = WorkerBatches(EmptyShard(), batch_size=3, device="cpu", world_size=1, counters=counters)
-    with pytest.raises(RuntimeError, match="7 record"):
+    ds = ray.data.from_numpy(windows(2)).rename_columns({"data": "input_ids"})  # fewer windows than a batch
+    stream = RegionStream.remote(ds, 3, counters)
+    batches = WorkerBatches(stream, 3, "cpu", 0, 1)
+    with pytest.raises(RuntimeError, match=r"no training windows .* no batch of 3 windows; check data.path.*7 rec"):
         batches.next()
     ray.kill(counters)
+    ray.kill(stream)

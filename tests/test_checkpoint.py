@@ -37,7 +37,7 @@ def test_save_load_round_trip_and_pruning(tmp_path, as_uri):
     root = f"file://{tmp_path}/region" if as_uri else str(tmp_path / "region")
     store = CheckpointStore(root, keep=2)
     theta, momentum = {"w": torch.randn(3, 2)}, {"w": torch.randn(3, 2)}
-    progress = {0: {"batches": 6, "windows": 48, "fingerprint": "00ff", "world_size": 1}}
+    progress = {"batches": 6, "epoch": 0, "epoch_batches": 6, "windows": 48, "fingerprint": "00ff"}
     for step in (1, 2, 3):
         store.save(checkpoint(step, theta, momentum, progress=progress, worker_checkpoint=f"w/{step}",
                               tokens=100 * step, config_yaml="run: {}\n"))

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_job_submit import RAY, ROOT, Head, job_status, wait_for_log
+from test_job_submit import RAY, ROOT, Head, job_status
 
 from ray_diloco.config import ExperimentConfig
 

@@ -45,6 +45,9 @@ def test_opendiloco_shapes_and_hyperparameters():
         ("run: {mode: ddp, checkpoint_every: 2}", "run.checkpoint_every"),
         ("regions: [{name: us, workers: 0}]", "regions[us].workers"),
         ("regions: [{name: US}]", "regions[].name"),
+        ("regions: [{name: us, workers: 3..2}]", "regions[us].workers"),
+        ("regions: [{name: us, workers: 0..2}]", "regions[us].workers"),
+        ("regions: [{name: us, workers: two}]", "regions[us].workers"),
         ("regions: [{name: us}, {name: us}]", "regions"),
         ("inner: {lrr: 0.1}", "inner"),
         ("bogus: {}", "config"),
@@ -74,3 +77,23 @@ def test_train_flags_reach_the_config():
     assert (cfg.run.checkpoint_every, cfg.run.checkpoint_path, cfg.run.max_failures, cfg.run.resume,
             cfg.run.outer_steps) == (3, "s3://bucket/ckpt", 4, True, 9)
     assert cfg.run.checkpoint_root() == "s3://bucket/ckpt"
+
+
+def test_a_worker_range_is_an_elastic_region_of_one_cluster():
+    text = "regions: [{name: us, workers: 2..8}, {name: eu, workers: 4}]\nrun: {local_regions: [us]}"
+    cfg = ExperimentConfig.from_yaml(text)
+    us, eu = cfg.regions
+    assert (us.min_workers, us.max_workers, us.elastic) == (2, 8, True)
+    assert (eu.min_workers, eu.max_workers, eu.elastic) == (4, 4, False)
+    assert ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg  # "2..8" round-trips
+    assert ExperimentConfig.from_yaml("regions: [{name: us, workers: 3..3}]").regions[0].workers == 3
+    cfg.check_elastic()  # us alone in this cluster
+
+
+@pytest.mark.parametrize("yaml_text", [
+    "regions: [{name: us, workers: 1..2}, {name: eu}]",  # two regions in one cluster
+    "regions: [{name: us, workers: 1..2}]\nrun: {mode: ddp}",
+])
+def test_worker_ranges_are_refused_where_ray_would_count_another_regions_nodes(yaml_text):
+    with pytest.raises(ConfigError, match=r"^regions\[\]\.workers: worker ranges \(us\) need one region per"):
+        ExperimentConfig.from_yaml(yaml_text).check_elastic()

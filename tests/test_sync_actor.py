@@ -225,3 +225,34 @@ def test_the_worker_handshake_is_one_state_and_restarts_drop_a_dead_ranks_shards
     assert [step for step, _, _ in results] == [1, 1] and actor.tokens == 20  # the new ranks' round only
     with pytest.raises(RuntimeError, match="exchanges outer step 0, but the region's outer state is at step 1"):
         asyncio.run(actor.exchange(0, 0, 2, halves(actor, 3)[0], tokens=10))
+
+
+def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_position(tmp_path):
+    """Ray Train restarts an elastic region's group with 1 worker after a round of 2: the actor records
+    `group_resized` (2 -> 1, at the outer step), hands the new rank 0 every row, and the region's data position
+    (both old ranks' windows), and a round of 1 goes on from there."""
+    cfg = config(tmp_path, "resize", [2])
+    actor = SyncActorImpl(cfg, "r0")
+    for rank, pid in ((0, 100), (1, 101)):
+        actor.register_worker(rank, 2, pid, "host")
+    start = {"batches": 0, "epoch": 0, "epoch_batches": 0, "windows": 0, "fingerprint": "0" * 16}
+    progress = [{"batches": 3 + rank, "epoch": 0, "epoch_batches": 3 + rank, "windows": 2 * 4,
+                 "fingerprint": f"{rank + 1:016x}", "start": start} for rank in range(2)]
+
+    async def round_of_two():
+        shards = halves(actor, 1)
+        return await asyncio.gather(*(actor.exchange(0, rank, 2, shards[rank], 10, progress[rank])
+                                      for rank in range(2)))
+
+    asyncio.run(round_of_two())
+    actor.register_worker(0, 1, 300, "host")
+    (resized,) = [e for e in actor.events if e["event"] == "group_resized"]
+    assert (resized["from_workers"], resized["to_workers"], resized["outer_step"]) == (2, 1, 1)
+    state = asyncio.run(actor.resume_state(0, 1))
+    assert all(state["rows"][name].shape == shape for name, shape in actor.shapes.items())  # every row
+    assert state["progress"] == {"batches": 4, "epoch": 0, "epoch_batches": 4, "windows": 16,
+                                 "fingerprint": f"{3:016x}"}
+    assert actor.worker_pids() == {0: 300}  # rank 1 of the old group is gone
+    rank0 = {**progress[0], "start": state["progress"]}
+    step, _, _ = asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), 10, rank0))
+    assert step == 2

@@ -26,6 +26,7 @@ import ray
 import torch
 
 from ray_diloco import metrics
+from ray_diloco.batches import region_progress
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
@@ -109,8 +110,10 @@ class SyncActorImpl:
         self.workers: dict[int, dict] = {}  # rank -> {pid, host}: who trains this region now
         self.events: list[dict] = []  # restarts, departures, joins — for status lines and summary.json
         self._digest = state_digest(self.outer.global_state())
-        # rank -> data position after the last completed round: where a restarted worker goes on reading.
-        self.progress: dict[int, dict | None] = {}
+        # The region's data position after the last completed round (batches.region_progress): where a restarted
+        # or resized group goes on reading. None: the beginning.
+        self.progress: dict | None = None
+        self.group_workers: int | None = None  # the worker count of the region's group now
         self.store = CheckpointStore(join(cfg.run.checkpoint_root(), region))
         self.committed: tuple[int, str] | None = None  # (outer step, worker checkpoint) of the last commit
         if resume_step is not None:
@@ -153,7 +156,13 @@ class SyncActorImpl:
                 self.record_event("peer_connected", peer=region, multiaddrs=maddrs)
 
     def register_worker(self, rank: int, world_size: int, pid: int, host: str) -> None:
-        """A worker (re)starts. A known rank with a new process is a restart of the region's group."""
+        """A worker (re)starts. A known rank with a new process is a restart of the region's group; a group of
+        another worker count is a resize (Ray Train's elastic scaling, or a restart with the nodes it could get)."""
+        if self.group_workers is not None and world_size != self.group_workers:
+            self.record_event("group_resized", from_workers=self.group_workers, to_workers=world_size)
+            self._drop_waiting_rounds(f"the region's group was resized to {world_size} workers")
+            self.workers = {r: w for r, w in self.workers.items() if r < world_size}
+        self.group_workers = world_size
         previous = self.workers.get(rank)
         if previous is not None and previous["pid"] != pid:
             self.record_event("worker_restart", rank=rank, old_pid=previous["pid"], pid=pid)
@@ -269,19 +278,19 @@ class SyncActorImpl:
     # -- checkpoints: the workers' first, then ours ----------------------------------------------------
     async def resume_state(self, rank: int, world_size: int) -> dict:
         """Where a (re)starting worker of this region continues, all from one state: the outer step, this
-        rank's rows of θ_global, its data position, and the worker checkpoint (inner AdamW state) of that
+        rank's rows of θ_global, the region's data position, and the worker checkpoint (inner AdamW state) of that
         outer step when one is committed. A round being applied finishes first, so a worker never takes θ_N
         while the actor moves to θ_{N+1} (its next Δ would be computed against the wrong base)."""
         running = self._running_round
         if running is not None:
             await asyncio.wait_for(running.wait(), timeout=self._await_bound())
-        # A different worker count is refused where the state is used: by the worker checkpoint loader and
-        # by WorkerBatches, whose position is only valid for the worker count that saved it.
+        # Any worker count: the rows are cut for this group, the worker checkpoint re-shards on load, and the data
+        # position is the region's.
         with self._state_lock:
             step = self.outer.step_count
             rows = rows_for_rank(self.outer.global_state(), world_size, rank)
         worker_checkpoint = self.committed[1] if self.committed and self.committed[0] == step else None
-        return {"outer_step": step, "rows": rows, "progress": self.progress.get(rank),
+        return {"outer_step": step, "rows": rows, "progress": self.progress,
                 "worker_checkpoint": worker_checkpoint}
 
     def _await_bound(self) -> float:
@@ -297,7 +306,7 @@ class SyncActorImpl:
             raise RuntimeError(f"[{self.region}] commit of outer step {outer_step}, but the outer state is at "
                                f"step {self.outer.step_count}")
         step, theta, momentum = self._snapshot()
-        checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=dict(self.progress),
+        checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=self.progress,
                                      worker_checkpoint=worker_checkpoint, tokens=self.tokens,
                                      config_yaml=self.config.to_yaml())
         # Off the event loop: other regions' calls (state sharing) go on while the files are written.
@@ -417,7 +426,8 @@ class SyncActorImpl:
             self._running_round = pending.done
             try:
                 pending.new_global = await self._run_round(outer_step, pending)
-                self.progress = dict(pending.progress_by_rank)
+                if all(pending.progress_by_rank.values()):  # every rank's (tests may leave it out)
+                    self.progress = region_progress(list(pending.progress_by_rank.values()))
                 pending.stop = self.stop_requested
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
