@@ -287,7 +287,9 @@ class RunConfig:
     finish its round and checkpoint it, then gives up (jobs/runtime_env.yaml lets Ray wait longer than this)."""
     resize_check_seconds: float = 60.0
     """An elastic region (`workers: min..max`): how often Ray Train looks for room for more workers while the
-    group trains (then restarts it, bigger, from the last checkpoint: the steps since it are trained again)."""
+    group trains. It then restarts the group, bigger, from the region's last completed outer step (θ_global and
+    data position from the SyncActor; the inner AdamW state from that step's worker checkpoint, if one was
+    committed, else anew): the inner steps of the unfinished round are trained again."""
 
     def peers_dir(self) -> str:
         """Where each region's SyncActor writes its Hivemind multiaddrs for the others to find:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -23,7 +24,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_diloco.checkpoint import join
-from ray_diloco.config import ExperimentConfig, RegionConfig
+from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets, region_file_shares
 from ray_diloco.data.stream import RegionStream
@@ -113,6 +114,29 @@ def on_driver_node() -> dict[str, Any]:
     affinity placed actors on worker nodes while the head had room (seen with 3 nodes here)."""
     node = ray.get_runtime_context().get_node_id()
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
+def check_elastic_region(cfg: ExperimentConfig, groups: list[RegionConfig]) -> None:
+    """An elastic region needs a Ray cluster of its own region (Ray Train sizes the group on every node of the
+    cluster, labels or not) and room on the driver's node for what stays there (`actor_placement`)."""
+    for group in (g for g in groups if g.elastic):
+        where = f"regions[{group.name}].workers"
+        others = sorted({n.get("Labels", {}).get(REGION_LABEL) for n in ray.nodes() if n.get("Alive")}
+                        - {group.name, None})
+        if others:
+            raise ConfigError(f"{where}: a range ({group.workers}) needs a Ray cluster of its own, but this one has "
+                              f"nodes of regions {others}: give a fixed worker count here")
+        node = ray.get_runtime_context().get_node_id()
+        cpus = next(n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["NodeID"] == node)
+        need = cfg.outer.sync_actor_cpus + (EVALUATOR_CPUS if cfg.run.eval_every else 0.0)
+        if cpus < need:
+            raise ConfigError(f"{where}: an elastic region keeps its SyncActor (and the evaluator) on the driver's "
+                              f"node, which has {cpus:g} CPU of the {need:g} they need: give the head CPUs "
+                              f"(`ray start --head --num-cpus {math.ceil(need)}` or more)")
+        if cfg.run.checkpoint_every != 1:
+            print(f"[driver] warning: {group.name} is elastic and run.checkpoint_every is "
+                  f"{cfg.run.checkpoint_every}: a resize between checkpoints starts its inner AdamW state anew "
+                  "(run.checkpoint_every: 1 keeps it)", flush=True)
 
 
 def actor_placement(region: RegionConfig) -> dict[str, Any]:
@@ -211,6 +235,7 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
     cfg, out_dir = prepared.cfg, prepared.out_dir
     connect_ray(address, cfg, groups)
     check_cluster(cfg, groups)
+    check_elastic_region(cfg, groups)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"config{prepared.suffix}.yaml").write_text(cfg.to_yaml())
     print(f"[driver] run {cfg.run.name}: results in {out_dir}, checkpoints in {cfg.run.checkpoint_root()}",

@@ -143,7 +143,7 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
     """A (re)starting worker continues from its region's state: θ_global and the outer step from the
     SyncActor (not the init: a restarted, resumed or joining region starts from the run's current state), the
     inner AdamW state and schedule position from the worker checkpoint of that same outer step when one is
-    committed, and the data position the SyncActor recorded for this rank. Returns (outer step, data position)."""
+    committed, and the region's data position after that outer step. Returns (outer step, data position)."""
     point = ray.get(sync_actor.resume_state.remote(rank, world_size))  # one call: one consistent state
     rows = point["rows"]
     inner_position = point["outer_step"] * inner_steps

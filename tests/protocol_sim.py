@@ -28,7 +28,7 @@ from ray_diloco.sync.codecs import get_codec
 from ray_diloco.sync.outer import OuterOptimizer, state_digest, weighted_average
 from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
 
-POLL = 0.5  # as ray_diloco.sync.actor.POLL_SECONDS
+POLL = 0.5  # as ray_diloco.sync.membership.POLL_SECONDS
 TRANSFER = 0.2  # seconds an all-reduce of the tiny tensors takes once the group formed
 COMPRESSION = "scaled-fp16"
 

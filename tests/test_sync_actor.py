@@ -230,7 +230,7 @@ def test_the_worker_handshake_is_one_state_and_restarts_drop_a_dead_ranks_shards
 def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_position(tmp_path):
     """Ray Train restarts an elastic region's group with 1 worker after a round of 2: the actor records
     `group_resized` (2 -> 1, at the outer step), hands the new rank 0 every row, and the region's data position
-    (both old ranks' windows), and a round of 1 goes on from there."""
+    (both old ranks' windows), refuses a late call of the old group, and a round of 1 goes on from there."""
     cfg = config(tmp_path, "resize", [2])
     actor = SyncActorImpl(cfg, "r0")
     for rank, pid in ((0, 100), (1, 101)):
@@ -253,6 +253,8 @@ def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_posi
     assert state["progress"] == {"batches": 4, "epoch": 0, "epoch_batches": 4, "windows": 16,
                                  "fingerprint": f"{3:016x}"}
     assert actor.worker_pids() == {0: 300}  # rank 1 of the old group is gone
+    with pytest.raises(RuntimeError, match="of a group of 2 exchanges, but the region's group has 1 workers now"):
+        asyncio.run(actor.exchange(1, 1, 2, halves(actor, 3)[1], 10, progress[1]))  # a late rank of the old group
     rank0 = {**progress[0], "start": state["progress"]}
     step, _, _ = asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), 10, rank0))
     assert step == 2

@@ -40,7 +40,7 @@ class DataCounters:
     Every epoch re-reads and re-packs the same batches, and so does a retried task; each batch
     reports a key (a hash of its input lines) and a batch seen again replaces its earlier counts
     rather than adding to them. This relies on the batch boundaries being the same in every pass,
-    which holds when Ray Data preserves order (the driver sets `preserve_order`). Two batches of the
+    which holds when Ray Data preserves order (`RegionStream` sets `preserve_order`). Two batches of the
     very same lines would count once. Memory: one small entry per distinct pack batch.
 
     Map tasks call `add` and wait for it (see `_pack_batch`), so once a dataset has been fully

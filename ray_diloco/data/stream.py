@@ -11,6 +11,9 @@ round recorded and goes on with no window twice and none skipped.
 ahead for the other ranks. It is a cache, nothing more: any batch can be read again from the dataset, so the
 actor restarts (a lost node) with nothing to recover, and a request for a batch it no longer holds re-reads.
 Ray Train's own split (`streaming_split`) cannot do this: which rows a rank gets depends on the worker count.
+
+Cost: a group that (re)starts behind the reader — every restart, resize or resume — makes it re-read the current
+epoch up to the group's position (Ray Data cannot seek): time linear in the position within the epoch.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import ray
 
 from ray_diloco.data.pipeline import COLUMN
 
-MAX_BUFFERED = 256  # batches read ahead for other ranks; past this the oldest go (and are re-read if asked for)
+# Batches read ahead for other ranks (about prefetch × workers while ranks train in lockstep); past this the oldest
+# go, and are re-read if asked for.
+MAX_BUFFERED = 1024
 
 Anchor = dict[str, int]  # a known position: {"batches": index of the next batch, "epoch", "epoch_batches"}
 

@@ -1,0 +1,197 @@
+"""How a region's SyncActor keeps in step with the other regions: it publishes its state record (outer step,
+digest of θ_global, phase) and serves its state, reads the others' records, and carries out what
+`ray_diloco.sync.policy` decides from them — join the run, wait for the others before a round, adopt a newer state,
+settle at the end. Also how it finds the other regions: its peer file in the run's storage, and theirs.
+
+`Membership` is the part of `SyncActorImpl` (actor.py) that does this; it uses the actor's `config`, `region`,
+`outer`, `_digest`, `sharer`, `averager`, `_published`, `_connected`, `_peers_read`, `_state_lock` and
+`record_event`, all set in `SyncActorImpl.__init__`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from ray_diloco import metrics
+from ray_diloco.sync import peers, policy
+from ray_diloco.sync.outer import OuterOptimizer, state_digest
+from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5  # how often a waiting region reads the other regions' records again
+PEER_FILES_SECONDS = 5.0  # how often it reads the other regions' peer files (storage listings cost more)
+
+
+class Membership:
+    """Publishing, reading and acting on the regions' records (see the module docstring)."""
+
+    def _announce(self) -> None:
+        """Log our multiaddrs and write them to the run's storage, where the other regions look for them."""
+        maddrs = self.multiaddrs()
+        try:
+            where = peers.write_peer_file(self.config.run.peers_dir(), self.region, maddrs)
+        except Exception as error:  # storage not writable: regions can still be joined with --initial-peers
+            where = f"not written ({error!r:.200})"
+        self.record_event("hivemind_started", multiaddrs=maddrs, peer_file=where)
+
+    def _dial_peer_files(self) -> None:
+        """Connect to the regions whose peer files appeared since we last looked (at most every few seconds)."""
+        if time.monotonic() - self._peers_read < PEER_FILES_SECONDS:
+            return
+        self._peers_read = time.monotonic()
+        try:
+            found = peers.read_peer_files(self.config.run.peers_dir(), exclude=self.region)
+        except Exception as error:
+            logger.warning("[%s] reading the peer files failed: %r", self.region, error)
+            return
+        for region, maddrs in sorted(found.items()):
+            if region not in self._connected and peers.connect(self.averager.dht, maddrs):
+                self._connected.add(region)
+                self.record_event("peer_connected", peer=region, multiaddrs=maddrs)
+
+    def _snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        clone = lambda tensors: {name: t.clone() for name, t in tensors.items()}  # noqa: E731
+        return self.outer.step_count, clone(self.outer.global_state()), clone(self.outer.momentum_state())
+
+    def _publish(self, group_size: int, phase: str = TRAINING) -> None:
+        """Store our record (and serve the state behind it). Until the store succeeds the record counts as
+        published: the sharer keeps it and its refresher thread stores it again every ttl/3."""
+        record = StateRecord(self.region, self.outer.step_count, self._digest, group_size, phase)
+        self._published = record
+        self.sharer.publish(record, state=self._snapshot(), verify=False)
+
+    def _publish_safely(self, group_size: int, phase: str = TRAINING) -> None:
+        """Publish after an outer step or an adoption. θ has changed already, so a DHT timeout here must not fail
+        the round (progress, tokens and history would lag θ)."""
+        try:
+            self._publish(group_size, phase)
+        except Exception as error:
+            self.record_event("dht_error", during="publishing the state record", error=repr(error)[:300])
+
+    def _set_phase_safely(self, phase: str, ready_since: float = 0.0) -> None:
+        try:
+            self.sharer.set_phase(phase, ready_since)
+            self._published = dataclasses.replace(self._published, phase=phase, ready_since=ready_since)
+        except Exception as error:
+            self.record_event("dht_error", during=f"publishing phase {phase}", error=repr(error)[:300])
+
+    def _read_records(self) -> list[StateRecord] | None:
+        """The live records of the run, None if the DHT did not answer in time (the policy then waits). One
+        event per outage, not one per poll."""
+        self._dial_peer_files()  # a region that started at the same moment as we did may have appeared
+        try:
+            records = self.sharer.records()
+        except Exception as error:
+            if not self._dht_failing:
+                self.record_event("dht_error", during="reading state records", error=repr(error)[:300])
+            self._dht_failing = True
+            return None
+        if self._dht_failing:
+            self._dht_failing = False
+            self.record_event("dht_recovered")
+        return records
+
+    def _adopt(self, want, kind: str) -> bool:
+        """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord)."""
+        state = self.sharer.load_from_peers(want, timeout=self.config.outer.averaging_timeout)
+        if state is None:
+            self.record_event(f"{kind}_failed", wanted_step=want.outer_step, wanted_digest=want.digest)
+            return False
+        old_step = self.outer.step_count
+        self._set_state(*state)
+        self.record_event(kind, from_step=old_step, to_step=self.outer.step_count, digest=self._digest,
+                          source=want.region)
+        return True
+
+    def _set_state(self, step: int, theta: dict, momentum: dict) -> None:
+        """Replace the outer state at once (it may run in an executor thread while `resume_state` reads)."""
+        cfg = self.config.outer
+        outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        outer.load_momentum(momentum)
+        outer.step_count = step
+        digest = state_digest(outer.global_state())
+        with self._state_lock:
+            self.outer, self._digest = outer, digest
+        metrics.safely(metrics.record_outer_step, self.config.run.name, self.region, step)
+
+    def _join_if_behind(self) -> None:
+        """A region starting mid-run takes the run's state before its workers take their first step."""
+        records = self._read_records() or []
+        own = StateRecord(self.region, self.outer.step_count, self._digest, 0)
+        target = policy.join_target(own, records)
+        if target is not None:
+            self._adopt(target, "region_joined")
+
+    def _rendezvous(self, arrived: float) -> policy.Run | policy.Finish:
+        """Our workers are in (since `arrived`, wall clock: other regions count the round's deadline from it):
+        follow the policy until it says run a round (with whom) or finish. We say we are ready only while we
+        hold the state we will average from (a region seen ready while it still loads a peer's state would make
+        the others' group wait for it in matchmaking). A state that cannot be loaded is tried until the round's
+        deadline plus one download; then the region goes alone and the next round re-syncs."""
+        outer = self.config.outer
+        give_up = arrived + outer.max_wait_seconds + outer.averaging_timeout
+        ready = False
+        while True:
+            decision = policy.plan_round(
+                self._published, self._read_records(), target=self.config.run.outer_steps, arrived=arrived,
+                now=time.time(), max_wait=outer.max_wait_seconds,
+                fallback_expected=1)  # the DHT is unreadable: nobody could see us ready either
+            if isinstance(decision, policy.Adopt):
+                if ready:
+                    self._set_phase_safely(TRAINING)
+                    ready = False
+                if self._adopt(decision.record, "resync"):
+                    self._publish_safely(0)
+                elif time.time() > give_up:
+                    return policy.Run(1)
+                else:
+                    time.sleep(POLL_SECONDS)
+            elif isinstance(decision, policy.Finish):
+                return decision
+            elif not ready:
+                self._set_phase_safely(READY, ready_since=arrived)
+                ready = True
+            elif isinstance(decision, policy.Wait):
+                time.sleep(max(0.0, min(POLL_SECONDS, decision.deadline - time.time())))
+            else:
+                return decision
+
+    def _settle_at_end(self) -> None:
+        """After our last round: once the live regions reached the last step (or max_wait passed), take the
+        canonical state, so every region that finishes holds the same θ_global (a last round that failed
+        mid-way or went without some region leaves them different)."""
+        cfg = self.config
+        ended = time.monotonic()
+        give_up = ended + cfg.outer.max_wait_seconds + cfg.outer.averaging_timeout
+        while True:
+            decision = policy.settle_at_end(self._published, self._read_records(), target=cfg.run.outer_steps,
+                                            ended=ended, now=time.monotonic(), max_wait=cfg.outer.max_wait_seconds)
+            if isinstance(decision, policy.Adopt) and self._adopt(decision.record, "settled_at_end"):
+                self._publish_safely(0)
+                continue
+            unsettled = getattr(decision, "settled", True) is False or time.monotonic() > give_up
+            if isinstance(decision, policy.Finish) or unsettled:
+                if unsettled:  # the driver's summary then names the regions that disagree
+                    self.record_event("unsettled_at_end", why="the DHT did not answer, or the canonical state "
+                                                              "could not be loaded, in time")
+                self._set_phase_safely(FINISHED)
+                return
+            time.sleep(POLL_SECONDS)
+
+    def _resync_from_newer(self, own_step: int) -> bool:
+        """Wait (up to max_wait + averaging_timeout) for another region's record past `own_step`; adopt the
+        canonical one. False if none appeared or none could be loaded in time."""
+        # The others may wait up to max_wait for stragglers before their round: wait that long too.
+        deadline = time.monotonic() + self.config.outer.max_wait_seconds + self.config.outer.averaging_timeout
+        while True:
+            newer = policy.newer_state(own_step, self.region, self._read_records() or [])
+            if newer is not None and self._adopt(newer, "resync"):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_SECONDS)
