@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("overhead.py: --regions needs counts >= 1; --inner-steps and --outer-steps >= 1")
     import ray
 
-    from ray_diloco.driver import resolve_vocab, run_training
+    from ray_diloco.driver import run_training
+    from ray_diloco.run_setup import resolve_vocab
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from compare import ray_session  # one fresh local Ray per run, as compare.py does
