@@ -49,9 +49,9 @@ class WorkerBatches:
     last completed round; None: the beginning). `progress()` is this rank's part of the region's position
     (`region_progress` combines the ranks'). Asks for `prefetch` batches ahead, so reading overlaps the step."""
 
-    def __init__(self, stream: Any, batch_size: int, device: torch.device, rank: int, world_size: int,
+    def __init__(self, stream: Any, device: torch.device, rank: int, world_size: int,
                  start: dict[str, Any] | None = None, prefetch: int = 2):
-        self.stream, self.batch_size, self.device = stream, batch_size, device
+        self.stream, self.device = stream, device
         self.rank, self.world_size = rank, world_size
         self.start = dict(start or START)
         self.anchor = {k: self.start[k] for k in ("batches", "epoch", "epoch_batches")}

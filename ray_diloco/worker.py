@@ -204,7 +204,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     if sync_actor is not None:
         ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname()))
         start_outer, progress = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
-    batches = WorkerBatches(loop_config["stream"], cfg.data.batch_size, device, rank, world_size, progress)
+    batches = WorkerBatches(loop_config["stream"], device, rank, world_size, progress)
 
     tokens_total, last_sync_seconds, sync_seconds_total, checkpoint_seconds = 0, 0.0, 0.0, 0.0
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits

@@ -97,7 +97,7 @@ def ray_for_data():
 
 def train_group(stream, world_size, steps, start):
     """A group of `world_size` ranks in lockstep for `steps` steps: the windows each took, the region position."""
-    ranks = [WorkerBatches(stream, 3, "cpu", rank, world_size, start) for rank in range(world_size)]
+    ranks = [WorkerBatches(stream, "cpu", rank, world_size, start) for rank in range(world_size)]
     taken = [rank.next() for _ in range(steps) for rank in ranks]
     return taken, region_progress([rank.progress() for rank in ranks])
 
@@ -131,7 +131,7 @@ def test_an_empty_dataset_error_gives_the_skipped_count(ray_for_data):
     ray.get(counters.add.remote(b"batch", 7, 0, 0, 0))
     ds = ray.data.from_numpy(windows(2)).rename_columns({"data": "input_ids"})  # fewer windows than a batch
     stream = RegionStream.remote(ds, 3, counters)
-    batches = WorkerBatches(stream, 3, "cpu", 0, 1)
+    batches = WorkerBatches(stream, "cpu", 0, 1)
     with pytest.raises(RuntimeError, match=r"no training windows .* no batch of 3 windows; check data.path.*7 rec"):
         batches.next()
     ray.kill(counters)
