@@ -99,9 +99,6 @@ class RegionStream:
     def take(self, index: int, anchor: Anchor | None = None) -> tuple[np.ndarray, int, int]:
         return self.reader.take(index, anchor)
 
-    def rewinds(self) -> int:
-        return self.reader.rewinds
-
     def _no_batch_error(self) -> RuntimeError:
         # A bare StopIteration here used to surface only after Ray Train restarted the worker group.
         skipped = ""
