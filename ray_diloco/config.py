@@ -176,6 +176,10 @@ class OuterConfig:
     """Multiaddrs the other regions dial, when they differ from what the node sees on its own interfaces (behind
     NAT: the public address and port forwarded to it, e.g. /ip4/203.0.113.7/tcp/31337, or a relay's address).
     Written to the run's peer files and logged at start."""
+    overlap: bool = False
+    """Run each round while the workers train the next H inner steps; its update reaches them one round late,
+    with what they trained meanwhile kept (DiLoCoX's one-step-delay overlap; see ray_diloco.sync.actor). Hides
+    a sync of up to H inner steps' time; the last round and checkpointed rounds (run.checkpoint_every) block."""
     sync_actor_cpus: float = 0.5
     """CPUs the Ray scheduler reserves for each region's SyncActor: it mostly waits on the network, and
     runs the outer step (a few fp32 passes over the model) once per round."""

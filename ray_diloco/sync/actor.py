@@ -6,6 +6,17 @@ computes Δ = θ_global − θ_region, averages Δ with the other regions over H
 fp32 accumulation, weights = tokens), applies the outer step and hands each rank its rows of θ_global.
 Workers stay a plain training loop; checkpointing, joining and overlap live here.
 
+Overlap (`outer.overlap`): the round runs while the workers train the next H steps, and its update reaches
+them one round late. This is the one-step-delay scheme of DiLoCoX (Qi et al. 2025, "one-step-delay overlap")
+and of Streaming DiLoCo with τ = H (Douillard et al. 2025) with mixing factor 0: at exchange k the workers hand
+in θ_local,k; the actor waits for round k−1 (θ_global,k), starts round k with Δ_k = base_k − θ_local,k in the
+background, and hands back base_{k+1} = θ_global,k + (θ_local,k − base_k): the newest θ_global plus what the
+region trained since its last base, so no inner step is lost and none counts twice (each drift leaves the
+workers' base when the θ_global it was averaged into arrives). Blocking DiLoCo is the case base_k = θ_global,k.
+The last round, a checkpoint's round, a stop's and a diverged one run blocking: the state they leave is θ_global
+itself, which checkpoints and restarts rely on. θ_global, the only state regions must share bit for bit, is
+computed exactly as without overlap.
+
 A Δ with NaN/inf (a diverged region) never enters the average: the region sits the round out and adopts the
 newer state another region publishes, or stops with an error if no other region has one.
 
@@ -35,7 +46,7 @@ from ray_diloco.sync import policy
 from ray_diloco.sync.averaging import RegionAverager, own_result
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.membership import Membership
-from ray_diloco.sync.outer import OuterOptimizer, state_digest
+from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
 from ray_diloco.sync.policy import OUT, StateRecord
 
 logger = logging.getLogger(__name__)
@@ -53,6 +64,8 @@ class _PendingRound:
     error: BaseException | None = None
     first_in: float = field(default_factory=time.perf_counter)  # the first rank's shards arrived
     stop: bool = False  # a stop was requested before the round ended: every rank checkpoints and ends here
+    reached: int = 0  # the outer step the workers go on from
+    overlapped: bool = False  # the round runs while the workers train on (outer.overlap)
 
 
 class SyncActorImpl(Membership):
@@ -95,6 +108,11 @@ class SyncActorImpl(Membership):
         self.stop_requested = False
         self._state_lock = threading.Lock()  # _set_state (executor threads) against resume_state's reads
         self._running_round: asyncio.Event | None = None  # done-event of the round being applied now
+        # Overlap: where the region's workers train from now (None: θ_global itself), the step they were told,
+        # and the round still running in the background.
+        self.base: dict[str, torch.Tensor] | None = None
+        self.workers_step = 0
+        self._in_flight: asyncio.Future | None = None
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
         self.history: list[dict] = []
@@ -195,6 +213,11 @@ class SyncActorImpl(Membership):
         running = self._running_round
         if running is not None:
             await asyncio.wait_for(running.wait(), timeout=self._await_bound())
+        try:  # an overlapped round in flight ends first; the new group starts from θ_global (its drift is gone)
+            await self._finish_in_flight()
+        except Exception as error:  # noqa: BLE001 — that round's workers are gone; the state is the one before it
+            self.record_event("overlapped_round_failed", error=repr(error)[:300])
+        self.base = None
         # Any worker count: the rows are cut for this group, the worker checkpoint re-shards on load, and the data
         # position is the region's.
         with self._state_lock:
@@ -264,10 +287,11 @@ class SyncActorImpl(Membership):
         if self.group_workers is not None and world_size != self.group_workers:  # a late call of a resized group
             raise RuntimeError(f"[{self.region}] rank {rank} of a group of {world_size} exchanges, but the region's "
                                f"group has {self.group_workers} workers now")
-        if outer_step != self.outer.step_count:
+        expected = self.workers_step if self.base is not None else self.outer.step_count
+        if outer_step != expected:
             raise RuntimeError(f"[{self.region}] rank {rank} exchanges outer step {outer_step}, but the region's "
-                               f"outer state is at step {self.outer.step_count}: its Δ would be computed against "
-                               "another θ_global (the worker group restarts from the current state)")
+                               f"workers should be at step {expected}: its Δ would be computed against another "
+                               "base (the worker group restarts from the current state)")
         pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
         pending.shards[rank] = shards
         pending.tokens_by_rank[rank] = tokens
@@ -275,9 +299,7 @@ class SyncActorImpl(Membership):
         if len(pending.shards) == world_size:
             self._running_round = pending.done
             try:
-                pending.new_global = await self._run_round(outer_step, pending)
-                if all(pending.progress_by_rank.values()):  # every rank's (tests may leave it out)
-                    self.progress = region_progress(list(pending.progress_by_rank.values()))
+                pending.new_global, pending.reached = await self._complete_round(outer_step, pending)
                 pending.stop = self.stop_requested
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
@@ -288,13 +310,50 @@ class SyncActorImpl(Membership):
         await asyncio.wait_for(pending.done.wait(), timeout=self._await_bound())
         if pending.error is not None:
             raise pending.error
-        return self.outer.step_count, rows_for_rank(pending.new_global, world_size, rank), pending.stop
+        return pending.reached, rows_for_rank(pending.new_global, world_size, rank), pending.stop
 
-    async def _run_round(self, workers_step: int, pending: _PendingRound) -> dict[str, torch.Tensor]:
-        start = time.perf_counter()
+    async def _complete_round(self, workers_step: int, pending: _PendingRound) -> tuple[dict, int]:
+        """Every rank is in: returns the state the workers go on from and its outer step. Blocking: after the
+        round. Overlapped: at once, with the round of these shards running in the background."""
+        await self._finish_in_flight()
         local = assemble(pending.shards, self.shapes)
-        # The region's own pseudo-gradient: from the θ_global its workers started this round from.
-        delta = self.outer.pseudo_gradient(local)
+        # The region's own pseudo-gradient: from the state its workers started this round from.
+        base = self.base if self.base is not None else self.outer.global_state()
+        delta = pseudo_gradient(base, local)
+        if not self._overlaps(delta):
+            self.base = None
+            return await self._round(workers_step, pending, local, delta), self.outer.step_count
+        newest = self.outer.global_state()
+        self.base = {name: torch.add(newest[name], torch.sub(local[name], base[name])) for name in newest}
+        self.workers_step = self.outer.step_count + 1
+        pending.overlapped = True
+        self._in_flight = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
+        return self.base, self.workers_step
+
+    def _overlaps(self, delta: dict[str, torch.Tensor]) -> bool:
+        """Whether this round may run while the workers train on (outer.overlap): not the run's last round,
+        nor one whose state is checkpointed or where the run stops, nor one with a diverged Δ (the region then
+        adopts another region's state, which its workers must take as it is)."""
+        run, reached = self.config.run, self.outer.step_count + 1
+        return (self.config.outer.overlap and not self.stop_requested and reached < run.outer_steps
+                and not (run.checkpoint_every and reached % run.checkpoint_every == 0)
+                and not any(count_nonfinite(t) for t in delta.values()))
+
+    async def _finish_in_flight(self) -> None:
+        """Waits for the overlapped round still running, if any; its error, if it failed, is raised here."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            await asyncio.wait_for(in_flight, timeout=self._await_bound())
+
+    async def _round(self, workers_step: int, pending: _PendingRound, local: dict, delta: dict) -> dict:
+        new_global = await self._run_round(workers_step, pending, local, delta)
+        if all(pending.progress_by_rank.values()):  # every rank's (tests may leave it out)
+            self.progress = region_progress(list(pending.progress_by_rank.values()))
+        return new_global
+
+    async def _run_round(self, workers_step: int, pending: _PendingRound, local: dict[str, torch.Tensor],
+                         delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
         bad = sum(count_nonfinite(t) for t in delta.values())
         if bad:  # a diverged region stays out of the average and takes the others' state instead
             return await self._skip_nonfinite_round(bad, pending, start)
@@ -352,6 +411,7 @@ class SyncActorImpl(Membership):
         self.tokens += tokens
         wait_seconds = start - pending.first_in
         record.update(seconds=round(seconds, 3), digest=self._digest, wait_seconds=round(wait_seconds, 3),
+                      overlapped=pending.overlapped,
                       all_reduce_seconds=round(reduce_seconds, 3), apply_seconds=round(seconds - reduce_seconds, 3),
                       **self.inner_report)
         self.history.append(record)
@@ -360,7 +420,7 @@ class SyncActorImpl(Membership):
                        record["bytes_sent"] if self.averager is not None else 0,
                        record["bytes_received"] if self.averager is not None else 0)
         if self.record_rounds:
-            self.recorded.append({"local": local, "tokens": tokens,
+            self.recorded.append({"local": local, "delta": delta, "tokens": tokens,
                                   "global_after": {k: v.clone() for k, v in new_global.items()}})
         every = self.config.run.eval_every
         if self.evaluator is not None and every and (outer_step + 1) % every == 0:
