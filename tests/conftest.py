@@ -11,6 +11,16 @@ from ray_diloco.config import RegionConfig
 from ray_diloco.presets import tiny_cpu
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_ray_left_behind(request):
+    """A module that leaves Ray initialized in this process fails here, by name: the next module's `ray.init`
+    would fail, or a run would attach to the leftover Ray (CI saw both, after Ray Data auto-started one)."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.module.__name__} left Ray initialized in the pytest process", pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     # 8 logical CPUs on 2 cores: every worker and SyncActor gets a slot, they take turns on the cores.

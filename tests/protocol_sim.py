@@ -8,6 +8,9 @@ averager (a group fills at the size the regions expect or at the end of the matc
 mid-way, leaving each member a mix of averaged and own parts), a region's workers (H inner steps on data window
 `w` move θ by a fixed function of (region, w); the group restarts at any moment and re-takes its state through
 the handshake), departures, late joins, and a crash of a whole region that comes back from its checkpoint.
+With `Schedule.overlap` (outer.overlap), the workers go on training the next window from the moment they hand
+in one, from θ_global before the round plus their drift (ray_diloco.sync.actor); a round still runs only after
+the previous one ended, and the last round blocks.
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
 swap in the old rules one at a time and show that the properties in `violations` catch each fault.
@@ -47,6 +50,7 @@ class Rules:
     check_exchange_step: bool = True  # exchange refuses shards trained from another outer step
     dht_errors_fatal: bool = False  # a DHT read that fails ends the region
     outer_step: Callable[[OuterOptimizer, dict, str], None] = default_outer_step
+    blocking_time_deadline: bool = True  # overlap: the deadline counts from when the region would be in if blocking
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Schedule:
     ttl: float = 20.0
     downtime: float = 15.0
     restart_seconds: float = 2.0
+    overlap: bool = False  # outer.overlap: a round runs while the workers train the next window
 
 
 @dataclass
@@ -315,26 +320,44 @@ class Simulator:
             self.adopt(region, target)
         self.publish(region, 0)
         stale_base = None  # the old handshake: a group restarted during a round took the state of before it
+        overlapped = None  # overlap: (the θ the workers train from, when they started) after an overlapped round
+        round_ended = self.now  # the end of the region's last round (its start, or its group's restart)
         while True:
             base_step, base_digest, base_theta = stale_base or (
                 region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
             stale_base = None
             window = region.progress
             duration = plan.window_seconds + (plan.jitter[window % len(plan.jitter)] if plan.jitter else 0.0)
-            restart = next((t for t in plan.restarts if self.now < t <= self.now + duration), None)
+            started = self.now
+            if overlapped is not None:  # trained since the hand-in, while the round ran
+                base_theta, started = overlapped
+                duration = max(0.0, started + duration - self.now)
+            since = overlapped[1] if overlapped is not None else self.now
+            restart = next((t for t in plan.restarts if since < t <= self.now + duration), None)
             if restart is not None:  # the group dies mid-window and restarts: the window is trained again
-                yield restart - self.now + s.restart_seconds
+                overlapped = None  # from θ_global: the restarted group takes the actor's state
+                yield max(restart, self.now) - self.now + s.restart_seconds
+                round_ended = self.now
                 continue
             yield duration
             update = window_update(name, window, base_theta)
             local = {k: base_theta[k] - update[k] for k in base_theta}
-            if rules.check_exchange_step and base_step != region.outer.step_count:
-                continue  # refused: the group restarts and takes the current state
-            if base_digest != region.digest:
-                self.out.violations.append(f"base: {name} sent a Δ trained from {base_digest[:6]} against "
-                                           f"{region.digest[:6]} (step {region.outer.step_count})")
-            delta = region.outer.pseudo_gradient(local)
-            arrived = self.now
+            if overlapped is None:
+                if rules.check_exchange_step and base_step != region.outer.step_count:
+                    continue  # refused: the group restarts and takes the current state
+                if base_digest != region.digest:
+                    self.out.violations.append(f"base: {name} sent a Δ trained from {base_digest[:6]} against "
+                                               f"{region.digest[:6]} (step {region.outer.step_count})")
+                delta = region.outer.pseudo_gradient(local)
+            else:
+                delta = {k: base_theta[k] - local[k] for k in base_theta}
+            # As SyncActorImpl._complete_round: the deadline counts from when the region would be in had its
+            # last round blocked (= now without overlap).
+            arrived = max(self.now, round_ended + (self.now - started)) if rules.blocking_time_deadline else self.now
+            overlapped = None
+            if s.overlap and region.outer.step_count + 1 < s.target:
+                newest = region.outer.global_state()
+                overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
             before_round = (region.outer.step_count, region.digest,
                             {k: v.clone() for k, v in region.outer.global_state().items()})
             result, ready = None, False
@@ -374,6 +397,7 @@ class Simulator:
                 # A canonical state whose holder died cannot be loaded until its record expires (ttl).
                 if self.now - arrived > s.max_wait + s.ttl + POLL + 1e-6:
                     self.out.violations.append(f"bounded: {name} waited {self.now - arrived:.1f}s to rendezvous")
+            round_ended = self.now
             if result is not None:
                 averaged, consistent, group, log = result
                 rules.outer_step(region.outer, averaged, plan.cpu)

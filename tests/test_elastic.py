@@ -63,16 +63,22 @@ def events_of(actor, kind):
 
 
 def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:
-    """The fingerprint of the first `windows` windows of us's stream, read straight from its dataset."""
-    (dataset,) = build_region_datasets(cfg.data, len(cfg.regions), cfg.run.seed, indices=[0])
-    dataset.context.execution_options.preserve_order = True
-    total, seen = 0, 0
-    while seen < windows:  # epoch after epoch, as the region reads it
-        for batch in dataset.iter_batches(batch_size=cfg.data.batch_size, batch_format="numpy", drop_last=True):
-            total += window_fingerprint(batch["input_ids"])
-            seen += len(batch["input_ids"])
-            if seen == windows:
-                break
+    """The fingerprint of the first `windows` windows of us's stream, read straight from its dataset (in a Ray of
+    its own, shut down after: the run's clusters are gone, and Ray Data would start one that outlives the test)."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        (dataset,) = build_region_datasets(cfg.data, len(cfg.regions), cfg.run.seed, indices=[0])
+        dataset.context.execution_options.preserve_order = True
+        total, seen = 0, 0
+        while seen < windows:  # epoch after epoch, as the region reads it
+            for batch in dataset.iter_batches(batch_size=cfg.data.batch_size, batch_format="numpy",
+                                              drop_last=True):
+                total += window_fingerprint(batch["input_ids"])
+                seen += len(batch["input_ids"])
+                if seen == windows:
+                    break
+    finally:
+        ray.shutdown()
     return f"{total % 2**64:016x}"
 
 

@@ -1,17 +1,19 @@
 """The multi-region DiLoCo run end to end: real Ray (local), real FSDP2 over gloo, real Hivemind on 127.0.0.1.
 
 Checks that after every outer step all regions hold bit-identical θ_global, that the held-out loss falls,
-that regions of different sizes train together, and that the distributed run computes DiLoCo exactly:
-the plain-PyTorch outer step of `ray_diloco.sync.outer`, fed what each region actually sent, reproduces
-every θ_global to fp16 wire rounding (token-weighted, with the right sign).
+that regions of different sizes train together (with the overlapped outer step), and that the distributed run
+computes DiLoCo exactly: the plain-PyTorch outer step of `ray_diloco.sync.outer`, fed what each region actually
+sent, reproduces every θ_global to fp16 wire rounding (token-weighted, with the right sign).
 """
+
+import dataclasses
 
 import ray
 
 from conftest import small_run
 from ray_diloco.driver import run_training
 from ray_diloco.model import build_model, parameter_state
-from ray_diloco.sync.outer import OuterOptimizer, weighted_average
+from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, weighted_average
 
 
 def run_recording(cfg):
@@ -36,16 +38,25 @@ def assert_regions_agree_every_round(summary, cfg):
 
 
 def assert_matches_plain_pytorch_outer_step(summary, recorded, cfg):
-    """Replay every round through OuterOptimizer + weighted_average with the recorded θ_region and tokens."""
+    """Replay every round through OuterOptimizer + weighted_average with the recorded θ_region and tokens. With
+    outer.overlap, each region's Δ is taken from the base its workers trained from: θ_global before the previous
+    round plus the drift they had then (ray_diloco.sync.actor), rebuilt here from what the regions sent."""
     first = recorded[cfg.regions[0].name]
     vocab = first[0]["local"]["model.embed_tokens.weight"].shape[0]
     init = parameter_state(build_model(cfg.model, vocab, cfg.data.seq_len, cfg.run.seed))
     reference = OuterOptimizer(init, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov)
+    bases = {r.name: None for r in cfg.regions}  # None: the workers trained from θ_global
     for step in range(cfg.run.outer_steps):
         before = {k: v.clone() for k, v in reference.global_state().items()}
         regions = [recorded[r.name][step] for r in cfg.regions]
-        deltas = [reference.pseudo_gradient(r["local"]) for r in regions]
+        deltas = [pseudo_gradient(bases[r.name] or before, round_["local"]) for r, round_ in zip(cfg.regions, regions)]
         weights = [r["tokens"] for r in regions]
+        overlapped = {summary["rounds"][r.name][step]["overlapped"] for r in cfg.regions}
+        assert overlapped == {cfg.outer.overlap and step + 1 < cfg.run.outer_steps}, (step, overlapped)
+        for r, round_ in zip(cfg.regions, regions):
+            base = bases[r.name] or before
+            bases[r.name] = {k: before[k] + (round_["local"][k] - base[k]) for k in before} \
+                if overlapped == {True} else None
         expected = reference.step(weighted_average(deltas, weights, cfg.outer.compression))
         actual = regions[0]["global_after"]
         for name in expected:
@@ -74,8 +85,10 @@ def test_two_regions_of_two_workers_agree_bit_for_bit_and_learn(local_ray, tmp_p
     assert summary["skipped_records"] == 0
 
 
-def test_regions_of_one_and_two_workers_train_together_weighted_by_tokens(local_ray, tmp_path):
-    cfg = small_run(tmp_path, "hetero", workers=[1, 2], inner_steps=3, outer_steps=2)
+def test_regions_of_one_and_two_workers_overlapped_agree_bit_for_bit_weighted_by_tokens(local_ray, tmp_path):
+    """Also the overlapped outer step (outer.overlap): every round but the last runs while the workers train on."""
+    cfg = small_run(tmp_path, "hetero", workers=[1, 2], inner_steps=3, outer_steps=3)
+    cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, overlap=True))
     summary, recorded = run_recording(cfg)
     assert_regions_agree_every_round(summary, cfg)
     # The 2-worker region trains twice the tokens, so it weighs twice as much in the average.

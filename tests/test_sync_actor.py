@@ -223,7 +223,7 @@ def test_the_worker_handshake_is_one_state_and_restarts_drop_a_dead_ranks_shards
     state, results = asyncio.run(scenario())
     assert set(state["rows"]) == set(actor.shapes)  # rank 1's rows of every parameter
     assert [step for step, _, _ in results] == [1, 1] and actor.tokens == 20  # the new ranks' round only
-    with pytest.raises(RuntimeError, match="exchanges outer step 0, but the region's outer state is at step 1"):
+    with pytest.raises(RuntimeError, match="exchanges outer step 0, but the region's workers should be at step 1"):
         asyncio.run(actor.exchange(0, 0, 2, halves(actor, 3)[0], tokens=10))
 
 

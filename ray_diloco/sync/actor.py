@@ -66,6 +66,7 @@ class _PendingRound:
     stop: bool = False  # a stop was requested before the round ended: every rank checkpoints and ends here
     reached: int = 0  # the outer step the workers go on from
     overlapped: bool = False  # the round runs while the workers train on (outer.overlap)
+    idle_after: float = 0.0  # seconds from the round's start to the time the others' deadline counts from
 
 
 class SyncActorImpl(Membership):
@@ -113,6 +114,7 @@ class SyncActorImpl(Membership):
         self.base: dict[str, torch.Tensor] | None = None
         self.workers_step = 0
         self._in_flight: asyncio.Future | None = None
+        self._handed_back = self._round_ended = time.perf_counter()  # the workers' last start, the last round's end
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
         self.history: list[dict] = []
@@ -218,6 +220,7 @@ class SyncActorImpl(Membership):
         except Exception as error:  # noqa: BLE001 — that round's workers are gone; the state is the one before it
             self.record_event("overlapped_round_failed", error=repr(error)[:300])
         self.base = None
+        self._handed_back = self._round_ended = time.perf_counter()
         # Any worker count: the rows are cut for this group, the worker checkpoint re-shards on load, and the data
         # position is the region's.
         with self._state_lock:
@@ -316,18 +319,27 @@ class SyncActorImpl(Membership):
         """Every rank is in: returns the state the workers go on from and its outer step. Blocking: after the
         round. Overlapped: at once, with the round of these shards running in the background."""
         await self._finish_in_flight()
+        # The others count this round's deadline from when we would be in had the last round blocked: the end
+        # of the last round plus the window the workers just trained (= now, without overlap). From our arrival
+        # instead, an overlapped region, one window ahead, would leave a region slower by less than max_wait
+        # out of rounds (found by the protocol property tests).
+        window = pending.first_in - self._handed_back
+        pending.idle_after = max(0.0, self._round_ended + window - time.perf_counter())
         local = assemble(pending.shards, self.shapes)
         # The region's own pseudo-gradient: from the state its workers started this round from.
         base = self.base if self.base is not None else self.outer.global_state()
         delta = pseudo_gradient(base, local)
         if not self._overlaps(delta):
             self.base = None
-            return await self._round(workers_step, pending, local, delta), self.outer.step_count
+            new_global = await self._round(workers_step, pending, local, delta)
+            self._handed_back = time.perf_counter()
+            return new_global, self.outer.step_count
         newest = self.outer.global_state()
         self.base = {name: torch.add(newest[name], torch.sub(local[name], base[name])) for name in newest}
         self.workers_step = self.outer.step_count + 1
         pending.overlapped = True
         self._in_flight = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
+        self._handed_back = time.perf_counter()
         return self.base, self.workers_step
 
     def _overlaps(self, delta: dict[str, torch.Tensor]) -> bool:
@@ -346,7 +358,10 @@ class SyncActorImpl(Membership):
             await asyncio.wait_for(in_flight, timeout=self._await_bound())
 
     async def _round(self, workers_step: int, pending: _PendingRound, local: dict, delta: dict) -> dict:
-        new_global = await self._run_round(workers_step, pending, local, delta)
+        try:
+            new_global = await self._run_round(workers_step, pending, local, delta)
+        finally:
+            self._round_ended = time.perf_counter()
         if all(pending.progress_by_rank.values()):  # every rank's (tests may leave it out)
             self.progress = region_progress(list(pending.progress_by_rank.values()))
         return new_global
@@ -359,7 +374,8 @@ class SyncActorImpl(Membership):
             return await self._skip_nonfinite_round(bad, pending, start)
         reduce_started = time.perf_counter()
         if self.sharer is not None:
-            decision = await asyncio.get_running_loop().run_in_executor(None, self._rendezvous, time.time())
+            decision = await asyncio.get_running_loop().run_in_executor(None, self._rendezvous,
+                                                                            time.time() + pending.idle_after)
             if isinstance(decision, policy.Finish):
                 # Re-synced to the run's last step (the others finished without us): a round now would apply
                 # our stale Δ alone and end past T with a θ_global nobody else holds.

@@ -128,7 +128,8 @@ class Membership:
             self._adopt(target, "region_joined")
 
     def _rendezvous(self, arrived: float) -> policy.Run | policy.Finish:
-        """Our workers are in (since `arrived`, wall clock: other regions count the round's deadline from it):
+        """Our workers wait on this round from `arrived` (wall clock: other regions count the round's deadline from
+        it; now, or with outer.overlap one window later, when they hand in the next):
         follow the policy until it says run a round (with whom) or finish. We say we are ready only while we
         hold the state we will average from (a region seen ready while it still loads a peer's state would make
         the others' group wait for it in matchmaking). A state that cannot be loaded is tried until the round's
