@@ -138,6 +138,18 @@ class InnerStep:
         return self.scheduler.get_last_lr()[0]
 
 
+def sync_status(region: str, reached: int, outer_steps: int, seconds: float, last_round: dict) -> str:
+    """Rank 0's line after an exchange. With outer.overlap the round of this step is still running: the line
+    names the newest round that completed (none yet after the first exchange)."""
+    if last_round.get("outer_step", -1) + 1 == reached:
+        return (f"[{region}] outer step {reached}/{outer_steps} synced in {seconds:.2f}s with "
+                f"{last_round['group_size']} region(s): {', '.join(last_round['peers'])}")
+    newest = (f"step {last_round['outer_step'] + 1} synced with {last_round['group_size']} region(s)"
+              if last_round else "no round completed yet")
+    return (f"[{region}] outer step {reached}/{outer_steps} handed in after {seconds:.2f}s; its round runs "
+            f"while training goes on ({newest})")
+
+
 def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, world_size: int,
                          inner_steps: int) -> tuple[int, dict | None]:
     """A (re)starting worker continues from its region's state: θ_global and the outer step from the
@@ -249,10 +261,9 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if reached != outer_step + 1:  # the SyncActor re-synced to the run's (later) outer step
                 inner_step.align(reached * H)
             if rank == 0:
-                round_info = ray.get(sync_actor.last_round.remote())
-                peers = str(round_info["group_size"])
-                status(f"[{region}] outer step {reached}/{cfg.run.outer_steps} synced in "
-                       f"{last_sync_seconds:.2f}s with {peers} region(s): {', '.join(round_info['peers'])}")
+                last_round = ray.get(sync_actor.last_round.remote())
+                peers = str(last_round.get("group_size", peers))
+                status(sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round))
             outer_step = reached
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))

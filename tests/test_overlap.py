@@ -116,3 +116,14 @@ def test_a_stale_exchange_is_refused_and_a_restart_starts_from_theta_global(tmp_
     assert all(torch.equal(restarted["rows"][k], actor.global_state()[k]) for k in state)
     assert not all(torch.equal(handed[k], actor.global_state()[k]) for k in state)
     assert actor.base is None
+
+
+def test_the_status_line_after_an_overlapped_exchange_names_the_newest_completed_round():
+    """The first overlapped exchange has no completed round yet (a KeyError there restarted every group once)."""
+    from ray_diloco.worker import sync_status
+
+    assert "no round completed yet" in sync_status("r0", 1, 4, 0.01, {})
+    line = sync_status("r0", 2, 4, 0.01, {"outer_step": 0, "group_size": 2, "peers": ["r0", "r1"]})
+    assert "handed in" in line and "step 1 synced with 2 region(s)" in line
+    assert "synced in 0.01s with 2 region(s): r0, r1" in sync_status(
+        "r0", 1, 4, 0.01, {"outer_step": 0, "group_size": 2, "peers": ["r0", "r1"]})
