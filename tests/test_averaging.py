@@ -16,6 +16,8 @@ Checks that:
 * a region whose averager dies mid-all-reduce: both regions return at once with consistent=False;
   one that stalls mid-all-reduce: both return by averaging_timeout (+ shutdown) with consistent=False;
 * bad arguments (unknown codec, weight <= 0, a Δ with NaN/inf) are refused;
+* the next round's averager starts after a round, off the next round's critical path, and only that round
+  uses it (a re-synced region's other round starts its own);
 * the step's result is awaited in 0.5 s slices whose timeout is caught also as Python 3.10 raises it
   (concurrent.futures.TimeoutError, a class of its own before 3.11).
 """
@@ -375,3 +377,31 @@ def test_bad_arguments_are_refused():
         assert r.averaged["x"][0] == 65504.0
     finally:
         single.shutdown()
+
+
+def test_the_next_rounds_averager_is_started_after_a_round_and_used_only_by_that_round():
+    """Rounds 0, 1, 3: round 1 takes the averager started after round 0 (no start on its critical path);
+    round 3 is not the prepared round 2, so it starts its own (the prepared one is shut down). Every round
+    still gathers both regions with identical results."""
+    regions = start_regions(2, run_id="prepared", matchmaking_seconds=2.0)
+    started = {region.region: [] for region in regions}  # (round, started ahead by _prepare?)
+    for region in regions:
+        def counted(key, deadline, start=region._start_averager, name=region.region):
+            started[name].append((key[0], threading.current_thread().name.endswith("(_prepare)")))
+            return start(key, deadline)
+        region._start_averager = counted
+    try:
+        results = {}
+        for round_index in (0, 1, 3):
+            results[round_index] = run_round([(r, make_delta(i + 10 * round_index), 1.0, round_index)
+                                              for i, r in enumerate(regions)])
+            for r in regions:  # as the inner steps would: the preparation has time to finish
+                r._preparing.join()
+    finally:
+        shutdown(regions)
+    for round_results in results.values():
+        assert [r.group_size for r in round_results] == [2, 2]
+        assert_identical(round_results)
+    for region in regions:
+        assert started[region.region] == [(0, False), (1, True), (2, True), (3, False), (4, True)], started
+    assert all(r._prepared is None for r in regions)  # shut down with the regions

@@ -7,7 +7,8 @@ Checks that:
 * scaled-fp16: two regions at Δ=1e5 and one at 0 average to 66,666.67 (fp16's clamp gives 43,669.33); the
   scale is the largest power of two that fits max|x| under 65504; values representable after scaling
   come back exactly, tiny tensors keep fp16's relative precision; decoding is deterministic and the
-  hivemind wire form decodes to the registry's values bit for bit, at 4 bytes per part over fp16.
+  hivemind wire form decodes to the registry's values bit for bit, at 4 bytes per part over fp16;
+* the fast NaN/inf count equals the element-wise one (overflowing and cancelling sums included).
 """
 
 import math
@@ -15,8 +16,10 @@ import math
 import pytest
 import torch
 from hivemind.compression import CompressionInfo
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ray_diloco.sync.codecs import CODEC_NAMES, CODECS, FP16_MAX, get_codec, power_of_two_scale
+from ray_diloco.sync.codecs import CODEC_NAMES, CODECS, FP16_MAX, count_nonfinite, get_codec, power_of_two_scale
 from ray_diloco.sync.hivemind_exact import decode_part, make_wire_codec
 from ray_diloco.sync.outer import weighted_average
 
@@ -87,3 +90,14 @@ def test_scaled_fp16_decoding_is_deterministic_and_the_wire_form_matches_the_reg
     fp16 = make_wire_codec("fp16").compress(x, CompressionInfo.from_tensor(x))
     assert len(serialized.buffer) - len(fp16.buffer) == 4
     assert codec.wire_bytes({"a": x, "b": torch.zeros(3)}) == 2 * 1003 + 2 * 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.5, -2.0, 3e38, -3e38, float("nan"), float("inf"), -float("inf")]),
+                min_size=1, max_size=40),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+def test_count_nonfinite_equals_the_element_wise_count(values, dtype):
+    """The fast path (a finite sum proves there is nothing to count) never hides a NaN/inf, also when finite
+    values overflow the sum (3e38 + 3e38) or cancel (inf − inf)."""
+    tensor = torch.tensor(values, dtype=torch.float32).to(dtype)
+    assert count_nonfinite(tensor) == int((~torch.isfinite(tensor)).sum())

@@ -11,11 +11,11 @@ reusable by other hivemind features) and, for each round, runs one all-reduce of
 * Round isolation: each round gets its own `ExactAverager` whose matchmaking prefix is
   ``diloco_<safe_name(run id)>_r<round>``: two runs on one DHT never mix and a late region never
   averages with another round (it finds nobody and goes on alone). The averager (a forked child
-  process) is started for the round and shut down after it. Measured on a 2-core CPU box (2 regions
-  in one process, 10M params): start-up 0.08–0.25 s (up to 0.5 s under load), shutdown 0.02–0.1 s;
-  cheap next to a WAN all-reduce and to H inner steps (see `RoundResult.timings`).
-  A long-lived averager could re-key its group instead, but a fresh one per round also starts from
-  clean matchmaking state, takes any tensor set, and a crash of one round cannot leak into the next.
+  process) is shut down after its round, and the next round's is started right then, in a thread, with
+  shared buffers of the same shapes: its start-up (0.34 s of a 1.4 s round of 100 MB on loopback, measured
+  by benchmarks/allreduce.py) leaves the critical path, at the cost of one more copy of Δ's size in memory.
+  A round that is not the one prepared (a re-sync skipped rounds, a smaller group) starts its own. A fresh
+  averager per round starts from clean matchmaking state and a crash of one round cannot leak into the next.
 * Timeout: the group targets `expected_regions`; the leader starts as soon as it is full, otherwise
   after `matchmaking_seconds` with the regions present. A region that found nobody gives up at
   `matchmaking_seconds` + 1 s and goes on alone: its "average" is its own Δ through the codec, as the
@@ -56,9 +56,14 @@ class RoundResult:
     bytes_received: int
     seconds: float  # wall time of the whole average() call
     consistent: bool  # False if a region dropped mid-round (reducer or sender) or the all-reduce failed
-    digest: str  # ray_diloco.sync.outer.state_digest of `averaged`
     error: str | None = None  # why the round failed (then `averaged` is the own Δ through the codec)
-    timings: dict[str, float] = field(default_factory=dict)  # startup / matchmaking+allreduce / shutdown
+    timings: dict[str, float] = field(default_factory=dict)  # startup, step (= matchmaking + allreduce), shutdown
+
+    @property
+    def digest(self) -> str:
+        """ray_diloco.sync.outer.state_digest of `averaged`: computed when asked (0.16 s for 100 MB, which every
+        round paid on its critical path while only tests read it; the SyncActor digests θ_global anyway)."""
+        return state_digest(self.averaged)
 
 
 class _DropMessage(logging.Filter):
@@ -97,7 +102,7 @@ def own_result(compression: str, region: str, tensors: dict[str, torch.Tensor], 
     codec = get_codec(compression)
     averaged = {name: codec.roundtrip(t.detach().to("cpu", torch.float32)).reshape(t.shape)
                 for name, t in tensors.items()}
-    return RoundResult(averaged, 1, [region], 0, 0, seconds, consistent, state_digest(averaged), error,
+    return RoundResult(averaged, 1, [region], 0, 0, seconds, consistent, error,
                        timings or {})
 
 
@@ -148,10 +153,14 @@ class RegionAverager:
         # the round still ends inconsistent, only sooner, at the risk of false alarms on a slow WAN.
         self.next_chunk_timeout = next_chunk_timeout
         self._lock = threading.Lock()
+        # The next round's averager, started after a round (tuple of key, averager, buffers), and its thread.
+        self._prepared: tuple | None = None
+        self._preparing: threading.Thread | None = None
         self._owns_dht = dht is None
         if dht is None:
             kwargs = dict(announce_maddrs=announce_maddrs) if announce_maddrs else {}
-            dht = DHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host, port)], start=True, **kwargs)
+            dht = DHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host, port)], start=True,
+                      **kwargs)
         self.dht = dht
 
     def visible_multiaddrs(self) -> list[str]:
@@ -178,22 +187,12 @@ class RegionAverager:
 
         with self._lock:
             timings: dict[str, float] = {}
-            # Shared memory: the averager's child process writes the average into these in place.
-            buffers = [torch.empty(t.shape, dtype=torch.float32).share_memory_().copy_(t) for t in flat]
             averager = control = None
+            key = (round_index, self.expected_regions, tuple((n, tuple(t.shape)) for n, t in zip(names, flat)))
             try:
-                averager = ExactAverager(
-                    buffers, self.dht, tensor_names=names, prefix=round_prefix(self.run_id, round_index),
-                    # min_group_size=1 would make hivemind assemble a group of one at once; with 2, a
-                    # region that finds nobody fails matchmaking at the step deadline: handled as alone.
-                    target_group_size=self.expected_regions, min_group_size=2,
-                    min_matchmaking_time=self.matchmaking_seconds, request_timeout=self.request_timeout,
-                    compression=self.codec, part_size_bytes=self.part_size_bytes,
-                    allreduce_timeout=self.averaging_timeout, next_chunk_timeout=self.next_chunk_timeout,
-                    allow_state_sharing=False, served_timeout=min(10.0, 0.25 * self.averaging_timeout),
-                    shutdown_timeout=2.0,
-                )
-                averager.run_in_background(await_ready=True, timeout=max(0.1, deadline - time.monotonic()))
+                averager, buffers = self._take_prepared(key) or self._start_averager(key, deadline)
+                for buffer, t in zip(buffers, flat):  # the child shares these: it reads Δ and writes the average
+                    buffer.copy_(t)
                 timings["startup"] = time.monotonic() - start
                 # A leader starts when its group is full, else at matchmaking_seconds with those there.
                 control = averager.start_step(
@@ -222,8 +221,14 @@ class RegionAverager:
                     t_down = time.monotonic()
                     averager.shutdown()
                     timings["shutdown"] = time.monotonic() - t_down
+                # The next round's averager starts now, off the critical path of that round.
+                next_key = (round_index + 1, *key[1:])
+                self._preparing = threading.Thread(target=self._prepare, args=(next_key,), daemon=True)
+                self._preparing.start()
 
         stats = outcome["stats"] or {}
+        if "allreduce_seconds" in stats:  # the transfer and decode; the rest of the step is matchmaking
+            timings["allreduce"] = float(stats["allreduce_seconds"])
         gathered = [data for _, data in outcome["gathered"]]
         averaged = {name: buf.clone().reshape(tensors[name].shape) for name, buf in zip(names, buffers)}
         problems = []
@@ -236,7 +241,6 @@ class RegionAverager:
         consistent, error = not problems, "; ".join(problems) or None
         if error:
             logger.warning("[%s] round %d: %s", self.region, round_index, error)
-        digest = state_digest(averaged)
         return RoundResult(
             averaged=averaged,
             group_size=len(gathered),
@@ -245,13 +249,61 @@ class RegionAverager:
             bytes_received=int(stats.get("bytes_received", 0)),
             seconds=time.monotonic() - start,
             consistent=consistent,
-            digest=digest,
             error=error,
             timings=timings,
         )
 
+    def _start_averager(self, key: tuple, deadline: float) -> tuple[ExactAverager, list[torch.Tensor]]:
+        """An averager (a forked child process) for one round: its own matchmaking prefix, its own group size,
+        shared-memory buffers of the round's tensor shapes."""
+        round_index, expected, layout = key
+        buffers = [torch.empty(shape, dtype=torch.float32).share_memory_() for _, shape in layout]
+        averager = ExactAverager(
+            buffers, self.dht, tensor_names=[name for name, _ in layout], prefix=round_prefix(self.run_id, round_index),
+            # min_group_size=1 would make hivemind assemble a group of one at once; with 2, a
+            # region that finds nobody fails matchmaking at the step deadline: handled as alone.
+            target_group_size=expected, min_group_size=2,
+            min_matchmaking_time=self.matchmaking_seconds, request_timeout=self.request_timeout,
+            compression=self.codec, part_size_bytes=self.part_size_bytes,
+            allreduce_timeout=self.averaging_timeout, next_chunk_timeout=self.next_chunk_timeout,
+            allow_state_sharing=False, served_timeout=min(10.0, 0.25 * self.averaging_timeout),
+            shutdown_timeout=2.0,
+        )
+        try:
+            averager.run_in_background(await_ready=True, timeout=max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            averager.shutdown()
+            raise
+        return averager, buffers
+
+    def _prepare(self, key: tuple) -> None:
+        """Start the averager of the round expected next (`key`); `average` takes it if that round comes."""
+        try:
+            self._prepared = (key, *self._start_averager(key, time.monotonic() + self.averaging_timeout))
+        except Exception as error:  # noqa: BLE001 — that round starts its own, as without preparation
+            logger.info("[%s] preparing the averager of round %d failed: %r", self.region, key[0], error)
+
+    def _take_prepared(self, key: tuple) -> tuple[ExactAverager, list[torch.Tensor]] | None:
+        """The prepared averager if it is for this round (index, group size, tensors); else None, the other
+        one shut down (a re-synced region skips rounds; a smaller group needs another target size)."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        if prepared[0] == key and prepared[1].is_alive():
+            return prepared[1], prepared[2]
+        prepared[1].shutdown()
+        return None
+
     def shutdown(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
         with self._lock:
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None:
+                prepared[1].shutdown()
             if self._owns_dht and self.dht is not None:
                 self.dht.shutdown()
             self.dht = None

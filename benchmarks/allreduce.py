@@ -1,0 +1,128 @@
+"""The cross-region all-reduce against its byte floor: M regions average N MB of fp32 pseudo-gradient.
+
+    python benchmarks/allreduce.py                          # 100 MB, 2 and 4 regions, loopback (~2 min)
+    python benchmarks/allreduce.py --regions 2 --wan-mbit 100   # under a 100 Mbit/s link (root, tc)
+
+Each region is a process of its own with a `RegionAverager` (ray_diloco.sync.averaging: the SyncActor's,
+Hivemind DHT + the exact all-reduce, `--compression` on the wire) listening on a fixed port; they meet through
+the first one's DHT address, then run `--rounds` rounds from a common barrier, `--gap-seconds` apart (the
+inner steps between two rounds, not timed: what a region prepares between rounds is off the critical path). Per configuration it prints
+the median round and its split (averager start-up, matchmaking, all-reduce = transfer + decode, shutdown),
+the bytes each region sent, and the byte floor: the most bytes one region sent ÷ the link rate measured by
+one TCP stream just before (loopback, or the `tc`-shaped link of `ray_diloco.sync.wan_emulation`). The ratio
+round ÷ floor is what the all-reduce costs beyond moving its bytes (1.0: nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+
+import torch
+
+from ray_diloco.sync.averaging import RegionAverager
+from ray_diloco.sync.wan_emulation import Link, ShapedPorts, ShapingError, verify_link
+
+BASE_PORT = 46100
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="allreduce.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=100.0, help="fp32 megabytes of Δ per region (default 100)")
+    parser.add_argument("--regions", default="2,4", help="comma-separated region counts (default 2,4)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per configuration (default 3)")
+    parser.add_argument("--compression", default="scaled-fp16", help="wire codec (default scaled-fp16)")
+    parser.add_argument("--matchmaking-seconds", type=float, default=5.0, help="default 5")
+    parser.add_argument("--gap-seconds", type=float, default=3.0,
+                        help="between rounds, where the inner steps would run (default 3; not timed)")
+    parser.add_argument("--part-kb", type=int, default=512, help="all-reduce message part size (default 512)")
+    parser.add_argument("--wan-mbit", type=float, default=0.0,
+                        help="shape the regions' ports to this rate (root and tc; 0: loopback, the default)")
+    return parser
+
+
+def region_process(index: int, regions: int, args: argparse.Namespace, peers, barrier, results) -> None:
+    torch.set_num_threads(1)
+    initial = None if index == 0 else peers.get(timeout=60)
+    averager = RegionAverager(
+        run_id="allreduce-bench", region=f"r{index}", expected_regions=regions, compression=args.compression,
+        initial_peers=initial, port=BASE_PORT + index, matchmaking_seconds=args.matchmaking_seconds,
+        part_size_bytes=args.part_kb * 1024,
+        averaging_timeout=max(120.0, 20 * args.mb * 8 / max(args.wan_mbit, 1.0)))
+    if index == 0:
+        for _ in range(regions - 1):
+            peers.put(averager.visible_multiaddrs())
+    numel = int(args.mb * 1e6 / 4)
+    delta = {"delta": torch.randn(numel, generator=torch.Generator().manual_seed(index)) * 1e-3}
+    for round_index in range(args.rounds):
+        time.sleep(args.gap_seconds if round_index else 0.0)  # the H inner steps between two rounds
+        barrier.wait()
+        result = averager.average(delta, weight=1.0, round_index=round_index)
+        results.put((index, round_index, result.seconds, result.group_size, result.bytes_sent,
+                     dict(result.timings)))
+    barrier.wait()
+    averager.shutdown()
+
+
+def run_config(regions: int, args: argparse.Namespace, rate_mbit: float) -> dict:
+    ctx = mp.get_context("fork")  # as in a Ray worker: the averager forks its own child process
+    peers, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(regions)
+    processes = [ctx.Process(target=region_process, args=(i, regions, args, peers, barrier, results))
+                 for i in range(regions)]
+    for process in processes:
+        process.start()
+    rows = [results.get(timeout=600) for _ in range(regions * args.rounds)]
+    for process in processes:
+        process.join(timeout=60)
+    if any(row[3] != regions for row in rows):
+        raise RuntimeError(f"a round did not gather all {regions} regions: {[row[3] for row in rows]}")
+    by_round = [[row for row in rows if row[1] == r] for r in range(args.rounds)]
+    seconds = [max(row[2] for row in round_rows) for round_rows in by_round]  # a round ends with its last region
+    timing = lambda key: statistics.median(row[5].get(key, 0.0) for row in rows)  # noqa: E731
+    sent = max(row[4] for row in rows)
+    floor = sent * 8 / (rate_mbit * 1e6)
+    median = statistics.median(seconds)
+    return {"regions": regions, "seconds": median, "startup": timing("startup"), "shutdown": timing("shutdown"),
+            "allreduce": timing("allreduce"), "matchmaking": timing("step") - timing("allreduce"),
+            "sent_mb": sent / 1e6, "floor": floor, "ratio": median / floor}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    counts = [int(n) for n in args.regions.split(",")]
+    link = Link(args.wan_mbit) if args.wan_mbit else None
+    ports = [BASE_PORT + i for i in range(max(counts))]
+    try:
+        shaping = ShapedPorts(ports, link) if link else None
+        if shaping:
+            shaping.__enter__()
+    except ShapingError as error:
+        print(f"allreduce.py: error: --wan-mbit: {error}", file=sys.stderr)
+        return 2
+    try:
+        check = verify_link(ports[0], seconds=1.0, rate_mbit=args.wan_mbit or 10000)
+        label = link.label() if link else "loopback"
+        print(f"# {label}: {check.line(link) if link else f'one TCP stream {check.rate_mbit:.0f} Mbit/s'}")
+        print(f"# {args.mb:g} MB fp32 per region, {args.compression} on the wire, {args.rounds} rounds, "
+              f"matchmaking {args.matchmaking_seconds:g} s")
+        print("| regions | link | round s | start-up | matchmaking | all-reduce | shutdown | MB sent | floor s "
+              "| ÷ floor |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for regions in counts:
+            started = time.time()
+            row = run_config(regions, args, check.rate_mbit)
+            print(f"| {regions} | {label} | {row['seconds']:.2f} | {row['startup']:.2f} | {row['matchmaking']:.2f} "
+                  f"| {row['allreduce']:.2f} | {row['shutdown']:.2f} | {row['sent_mb']:.1f} | {row['floor']:.3f} "
+                  f"| {row['ratio']:.1f} |", flush=True)
+            print(f"#   ({time.time() - started:.0f} s wall)", file=sys.stderr)
+    finally:
+        if shaping:
+            shaping.__exit__(None, None, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
