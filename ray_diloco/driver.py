@@ -442,6 +442,8 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
         "data_files": data_files(cfg, groups),
         # Rank 0's training loss per inner step (since its last start), per region: loss.png draws it.
         "loss_curve": {groups[i].name: w.get("loss_curve", []) for i, w in zip(outcome.finished, workers)},
+        # Rank 0's exchanges: (seconds into its training loop when the exchange returned, seconds it waited).
+        "sync_waits": {groups[i].name: w.get("sync_waits", []) for i, w in zip(outcome.finished, workers)},
         # Asked to stop (`ray job stop`, SIGTERM, Ctrl-C): ended early at an outer step with a checkpoint.
         "stopped": any(w.get("stopped") for w in workers),
     }

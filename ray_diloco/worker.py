@@ -220,6 +220,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     tokens_total, last_sync_seconds, sync_seconds_total, checkpoint_seconds = 0, 0.0, 0.0, 0.0
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits
+    sync_waits: list[tuple[float, float]] = []  # per exchange: (seconds into the loop at its end, seconds waited)
     loop_started = time.perf_counter()
     peers = str(len(cfg.regions)) if sync_actor is not None else "-"
     flops_token = metrics.flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
@@ -257,6 +258,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if reset_nonfinite_state(inner_step.optimizer):  # this rank's moments went NaN: start them anew
                 sync_actor.record_event.remote("inner_state_reset_nonfinite", rank=rank)
             last_sync_seconds = time.perf_counter() - sync_started
+            sync_waits.append((round(time.perf_counter() - loop_started, 3), round(last_sync_seconds, 3)))
             sync_seconds_total += last_sync_seconds
             if reached != outer_step + 1:  # the SyncActor re-synced to the run's (later) outer step
                 inner_step.align(reached * H)
@@ -294,7 +296,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
               # Time in the loop, and the parts of it this rank waited on outer steps and wrote checkpoints:
               # the rest is compute (compute utilization).
               "train_seconds": time.perf_counter() - loop_started, "sync_wait_seconds": sync_seconds_total,
-              "checkpoint_seconds": checkpoint_seconds, "stopped": stopped, "outer_step": outer_step}
+              "checkpoint_seconds": checkpoint_seconds, "stopped": stopped, "outer_step": outer_step,
+              "sync_waits": sync_waits}
     result["loss_curve"] = loss_curve  # rank 0's, since this worker started
     if sync_actor is None:
         state = full_state(model)
