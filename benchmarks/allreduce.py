@@ -7,8 +7,8 @@ Each region is a process of its own with a `RegionAverager` (ray_diloco.sync.ave
 Hivemind DHT + the exact all-reduce, `--compression` on the wire) listening on a fixed port; they meet through
 the first one's DHT address, then run `--rounds` rounds from a common barrier, `--gap-seconds` apart (the
 inner steps between two rounds, not timed: what a region prepares between rounds is off the critical path).
-Per configuration it prints the median round and its split (averager start-up, matchmaking, all-reduce = transfer + decode, shutdown),
-the bytes each region sent, and the byte floor: the most bytes one region sent ÷ the link rate measured by
+Per configuration it prints the median round and its split (averager start-up, matchmaking, all-reduce =
+transfer + decode, shutdown), the bytes each region sent, and the byte floor: the most bytes one region sent ÷ the link rate measured by
 one TCP stream just before (loopback, or the `tc`-shaped link of `ray_diloco.sync.wan_emulation`). The ratio
 round ÷ floor is what the all-reduce costs beyond moving its bytes (1.0: nothing).
 """
@@ -74,9 +74,13 @@ def run_config(regions: int, args: argparse.Namespace, rate_mbit: float) -> dict
                  for i in range(regions)]
     for process in processes:
         process.start()
-    rows = [results.get(timeout=600) for _ in range(regions * args.rounds)]
-    for process in processes:
-        process.join(timeout=60)
+    try:
+        rows = [results.get(timeout=600) for _ in range(regions * args.rounds)]
+    finally:  # a region that failed leaves the others waiting at the barrier
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
     if any(row[3] != regions for row in rows):
         raise RuntimeError(f"a round did not gather all {regions} regions: {[row[3] for row in rows]}")
     by_round = [[row for row in rows if row[1] == r] for r in range(args.rounds)]
@@ -93,6 +97,10 @@ def run_config(regions: int, args: argparse.Namespace, rate_mbit: float) -> dict
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     counts = [int(n) for n in args.regions.split(",")]
+    if args.wan_mbit and max(counts) > 2:
+        print("allreduce.py: error: --wan-mbit shapes one link per region port, which is one link each way only "
+              "between 2 regions: use --regions 2", file=sys.stderr)
+        return 2
     link = Link(args.wan_mbit) if args.wan_mbit else None
     ports = [BASE_PORT + i for i in range(max(counts))]
     try:

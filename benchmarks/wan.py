@@ -87,9 +87,14 @@ def run_cell(args: argparse.Namespace, link: Link, overlap: bool) -> dict:
             [sys.executable, "-m", "ray_diloco.cli", "train", "--config",
              str(region_config(args, cell, region, overlap, work)), "--local-regions", region],
             stdout=(work / f"{region}.log").open("w"), stderr=subprocess.STDOUT, env=env) for region in PORTS}
-        for region, process in processes.items():
-            if process.wait(timeout=3600) != 0:
-                raise RuntimeError(f"{cell}: region {region} failed; see {work / f'{region}.log'}")
+        try:
+            for region, process in processes.items():
+                if process.wait(timeout=3600) != 0:
+                    raise RuntimeError(f"{cell}: region {region} failed; see {work / f'{region}.log'}")
+        finally:  # one cluster failed or hung: the other does not train on alone
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
     summaries = {r: json.loads((work / "out" / cell / f"summary-{r}.json").read_text()) for r in PORTS}
     return measure(args, link, overlap, check.rtt_ms, summaries, time.time() - started)
 

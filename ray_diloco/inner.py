@@ -7,6 +7,7 @@ import math
 import torch
 
 from ray_diloco.config import InnerOptConfig
+from ray_diloco.sync.codecs import count_nonfinite
 
 
 def lr_multiplier(step: int, cfg: InnerOptConfig, total_steps: int) -> float:
@@ -44,7 +45,7 @@ def reset_nonfinite_state(optimizer: torch.optim.Optimizer) -> int:
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 local = value.to_local() if hasattr(value, "to_local") else value
-                if not torch.isfinite(local).all():
+                if count_nonfinite(local):  # a vectorised sum first: this runs after every exchange
                     poisoned.append(param)
                     break
     for param in poisoned:

@@ -19,6 +19,7 @@ import torch
 
 from conftest import small_run
 from ray_diloco.sync.actor import SyncActorImpl
+from ray_diloco.sharding import rows_for_rank
 from ray_diloco.sync.codecs import get_codec
 
 LR, MOMENTUM = 0.7, 0.9
@@ -127,3 +128,31 @@ def test_the_status_line_after_an_overlapped_exchange_names_the_newest_completed
     assert "handed in" in line and "step 1 synced with 2 region(s)" in line
     assert "synced in 0.01s with 2 region(s): r0, r1" in sync_status(
         "r0", 1, 4, 0.01, {"outer_step": 0, "group_size": 2, "peers": ["r0", "r1"]})
+
+
+def test_every_rank_of_a_restarting_group_gets_the_state_after_the_round_in_flight(tmp_path):
+    """Two ranks hand in (overlapped), the round is still running (slowed here), and the group restarts: both
+    ranks' resume_state calls, at once, wait for that same round and get the same outer step and θ_global."""
+    actor = SyncActorImpl(config(tmp_path, outer_steps=4), "r0")
+    state = actor.global_state()
+    run_round = actor._run_round
+
+    async def slow_round(*args):  # the all-reduce of a real link takes a while
+        await asyncio.sleep(0.5)
+        return await run_round(*args)
+    actor._run_round = slow_round
+    halves = [{k: v[:v.shape[0] // 2] for k, v in state.items()}, {k: v[v.shape[0] // 2:] for k, v in state.items()}]
+    for rank in (0, 1):
+        actor.register_worker(rank, 2, 100 + rank, "host")
+
+    async def scenario():
+        await asyncio.gather(*(actor.exchange(0, rank, 2, {k: t - 1e-3 for k, t in halves[rank].items()}, 1000)
+                               for rank in (0, 1)))
+        assert actor.outer_step() == 0  # handed back at once; the round runs
+        return await asyncio.gather(actor.resume_state(0, 2), actor.resume_state(1, 2))
+
+    first, second = asyncio.run(scenario())
+    assert first["outer_step"] == second["outer_step"] == 1 == actor.outer_step()
+    for rank, point in enumerate((first, second)):
+        expected = rows_for_rank(actor.global_state(), 2, rank)
+        assert all(torch.equal(point["rows"][name], expected[name]) for name in expected)

@@ -17,8 +17,8 @@ import pytest
 
 from ray_diloco.sync.wan_emulation import Link, ShapedPorts, ShapingError, netem_available, verify_link
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
-                                reason="WAN emulation needs root and iproute2's tc")
+needs_shaping = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
+                                   reason="WAN emulation needs root and iproute2's tc")
 PORT, OTHER = 45711, 45712
 
 
@@ -26,6 +26,7 @@ def shaping_rules() -> str:
     return subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
 
 
+@needs_shaping
 def test_a_shaped_port_runs_at_the_rate_and_other_ports_do_not():
     link = Link(rate_mbit=40)
     with ShapedPorts([PORT], link):
@@ -38,6 +39,7 @@ def test_a_shaped_port_runs_at_the_rate_and_other_ports_do_not():
     assert "htb" not in shaping_rules()
 
 
+@needs_shaping
 def test_the_rules_are_removed_when_the_block_raises_or_the_process_exits_inside_it():
     with pytest.raises(RuntimeError, match="the run failed"):
         with ShapedPorts([PORT], Link(rate_mbit=10)):
@@ -47,21 +49,29 @@ def test_the_rules_are_removed_when_the_block_raises_or_the_process_exits_inside
               f"with ShapedPorts([{PORT}], Link(rate_mbit=10)):\n    sys.exit(3)\n")
     assert subprocess.run([sys.executable, "-c", script]).returncode == 3
     assert "htb" not in shaping_rules()
-
-
-def test_without_root_shaping_is_refused_with_one_line():
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is needed to run a process as nobody")
-    script = ("from ray_diloco.sync.wan_emulation import Link, ShapedPorts\n"
-              f"ShapedPorts([{PORT}], Link(rate_mbit=10)).__enter__()\n")
-    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                           script], capture_output=True, text=True, env={**os.environ, "HOME": "/tmp"})
-    assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1].startswith("ray_diloco.sync.wan_emulation.ShapingError: WAN "
-                                                           "emulation needs root"), done.stderr[-2000:]
+    script = ("import os, signal; from ray_diloco.sync.wan_emulation import Link, ShapedPorts\n"
+              f"with ShapedPorts([{PORT}], Link(rate_mbit=10)):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    signal.pause()\n")
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 128 + 15  # ray job stop
     assert "htb" not in shaping_rules()
 
 
+def test_without_root_shaping_is_refused_with_one_line():
+    """As root: a process run as nobody (setpriv); otherwise this process itself."""
+    script = ("from ray_diloco.sync.wan_emulation import Link, ShapedPorts\n"
+              f"ShapedPorts([{PORT}], Link(rate_mbit=10)).__enter__()\n")
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    if as_nobody and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to run a process as nobody")
+    done = subprocess.run([*as_nobody, sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "HOME": "/tmp"})
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("ray_diloco.sync.wan_emulation.ShapingError: WAN "
+                                                           "emulation needs root"), done.stderr[-2000:]
+    assert shutil.which("tc") is None or "htb" not in shaping_rules()
+
+
+@needs_shaping
 def test_delay_is_emulated_with_netem_or_refused_where_the_kernel_has_none():
     link = Link(rate_mbit=100, delay_ms=20)
     if not netem_available():

@@ -7,15 +7,17 @@ fp32 accumulation, weights = tokens), applies the outer step and hands each rank
 Workers stay a plain training loop; checkpointing, joining and overlap live here.
 
 Overlap (`outer.overlap`): the round runs while the workers train the next H steps, and its update reaches
-them one round late. This is the one-step-delay scheme of DiLoCoX (Qi et al. 2025, "one-step-delay overlap")
-and of Streaming DiLoCo with τ = H (Douillard et al. 2025) with mixing factor 0: at exchange k the workers hand
+them one round late. This is the one-step-delay overlap of DiLoCoX (Qi et al. 2025): the workers keep their
+local progress and take the averaged update one round later (Streaming DiLoCo's overlap, Douillard et al. 2025,
+instead mixes local and global parameters with a factor α after τ steps). At exchange k the workers hand
 in θ_local,k; the actor waits for round k−1 (θ_global,k), starts round k with Δ_k = base_k − θ_local,k in the
 background, and hands back base_{k+1} = θ_global,k + (θ_local,k − base_k): the newest θ_global plus what the
 region trained since its last base, so no inner step is lost and none counts twice (each drift leaves the
 workers' base when the θ_global it was averaged into arrives). Blocking DiLoCo is the case base_k = θ_global,k.
 The last round, a checkpoint's round, a stop's and a diverged one run blocking: the state they leave is θ_global
-itself, which checkpoints and restarts rely on. θ_global, the only state regions must share bit for bit, is
-computed exactly as without overlap.
+itself, which checkpoints and restarts rely on. The pseudo-gradients are one round stale, so the trajectory
+differs from blocking DiLoCo; the outer step's arithmetic, and so the regions' bit-for-bit agreement on
+θ_global, is the same.
 
 A Δ with NaN/inf (a diverged region) never enters the average: the region sits the round out and adopts the
 newer state another region publishes, or stops with an error if no other region has one.
@@ -67,6 +69,7 @@ class _PendingRound:
     reached: int = 0  # the outer step the workers go on from
     overlapped: bool = False  # the round runs while the workers train on (outer.overlap)
     idle_after: float = 0.0  # seconds from the round's start to the time the others' deadline counts from
+    inner_report: dict = field(default_factory=dict)  # rank 0's last inner step before this round (note_inner)
 
 
 class SyncActorImpl(Membership):
@@ -217,8 +220,8 @@ class SyncActorImpl(Membership):
             await asyncio.wait_for(running.wait(), timeout=self._await_bound())
         try:  # an overlapped round in flight ends first; the new group starts from θ_global (its drift is gone)
             await self._finish_in_flight()
-        except Exception as error:  # noqa: BLE001 — that round's workers are gone; the state is the one before it
-            self.record_event("overlapped_round_failed", error=repr(error)[:300])
+        except Exception:  # noqa: BLE001 — recorded by _round; the state is the one before that round
+            pass
         self.base = None
         self._handed_back = self._round_ended = time.perf_counter()
         # Any worker count: the rows are cut for this group, the worker checkpoint re-shards on load, and the data
@@ -310,7 +313,8 @@ class SyncActorImpl(Membership):
                 self._running_round = None
                 pending.done.set()
                 self._rounds.pop(outer_step, None)
-        await asyncio.wait_for(pending.done.wait(), timeout=self._await_bound())
+        # The last rank in may first wait for the overlapped round in flight, then run this one.
+        await asyncio.wait_for(pending.done.wait(), timeout=2 * self._await_bound())
         if pending.error is not None:
             raise pending.error
         return pending.reached, rows_for_rank(pending.new_global, world_size, rank), pending.stop
@@ -323,6 +327,7 @@ class SyncActorImpl(Membership):
         # of the last round plus the window the workers just trained (= now, without overlap). From our arrival
         # instead, an overlapped region, one window ahead, would leave a region slower by less than max_wait
         # out of rounds (found by the protocol property tests).
+        pending.inner_report = dict(self.inner_report)  # an overlapped round ends after the next window's note
         window = pending.first_in - self._handed_back
         pending.idle_after = max(0.0, self._round_ended + window - time.perf_counter())
         local = assemble(pending.shards, self.shapes)
@@ -352,14 +357,25 @@ class SyncActorImpl(Membership):
                 and not any(count_nonfinite(t) for t in delta.values()))
 
     async def _finish_in_flight(self) -> None:
-        """Waits for the overlapped round still running, if any; its error, if it failed, is raised here."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            await asyncio.wait_for(in_flight, timeout=self._await_bound())
+        """Waits for the overlapped round still running, if any (every caller the same round: the ranks of a
+        restarting group all call resume_state at once); its error, if it failed, is raised here. A timeout
+        here leaves the round running (shielded): its outer step is still applied."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(in_flight), timeout=self._await_bound())
+        finally:
+            if in_flight.done() and self._in_flight is in_flight:
+                self._in_flight = None
 
     async def _round(self, workers_step: int, pending: _PendingRound, local: dict, delta: dict) -> dict:
         try:
             new_global = await self._run_round(workers_step, pending, local, delta)
+        except Exception as error:
+            if pending.overlapped:  # its workers learn of it at their next call; the event says which round
+                self.record_event("overlapped_round_failed", workers_step=workers_step, error=repr(error)[:300])
+            raise
         finally:
             self._round_ended = time.perf_counter()
         if all(pending.progress_by_rank.values()):  # every rank's (tests may leave it out)
@@ -429,7 +445,7 @@ class SyncActorImpl(Membership):
         record.update(seconds=round(seconds, 3), digest=self._digest, wait_seconds=round(wait_seconds, 3),
                       overlapped=pending.overlapped,
                       all_reduce_seconds=round(reduce_seconds, 3), apply_seconds=round(seconds - reduce_seconds, 3),
-                      **self.inner_report)
+                      **pending.inner_report)
         self.history.append(record)
         metrics.safely(metrics.record_round, self.config.run.name, self.region, self.outer.step_count,
                        record["group_size"], wait_seconds, reduce_seconds, seconds - reduce_seconds,

@@ -45,6 +45,7 @@ from ray_diloco.sync.hivemind_exact import ExactAverager, make_wire_codec
 from ray_diloco.sync.outer import state_digest
 
 logger = logging.getLogger(__name__)
+PREPARE_WAIT_SECONDS = 10.0  # a round waits this long for the prepared averager's start, then starts its own
 
 
 @dataclass
@@ -156,6 +157,8 @@ class RegionAverager:
         # The next round's averager, started after a round (tuple of key, averager, buffers), and its thread.
         self._prepared: tuple | None = None
         self._preparing: threading.Thread | None = None
+        self._closed = False  # shut down: nothing more is prepared
+        self._prepared_lock = threading.Lock()  # _prepared: set by the preparing thread, taken by rounds
         self._owns_dht = dht is None
         if dht is None:
             kwargs = dict(announce_maddrs=announce_maddrs) if announce_maddrs else {}
@@ -221,10 +224,10 @@ class RegionAverager:
                     t_down = time.monotonic()
                     averager.shutdown()
                     timings["shutdown"] = time.monotonic() - t_down
-                # The next round's averager starts now, off the critical path of that round.
-                next_key = (round_index + 1, *key[1:])
-                self._preparing = threading.Thread(target=self._prepare, args=(next_key,), daemon=True)
-                self._preparing.start()
+                if not self._closed:  # the next round's averager starts now, off the critical path of that round
+                    next_key = (round_index + 1, *key[1:])
+                    self._preparing = threading.Thread(target=self._prepare, args=(next_key,), daemon=True)
+                    self._preparing.start()
 
         stats = outcome["stats"] or {}
         if "allreduce_seconds" in stats:  # the transfer and decode; the rest of the step is matchmaking
@@ -279,17 +282,26 @@ class RegionAverager:
     def _prepare(self, key: tuple) -> None:
         """Start the averager of the round expected next (`key`); `average` takes it if that round comes."""
         try:
-            self._prepared = (key, *self._start_averager(key, time.monotonic() + self.averaging_timeout))
+            prepared = (key, *self._start_averager(key, time.monotonic() + self.averaging_timeout))
         except Exception as error:  # noqa: BLE001 — that round starts its own, as without preparation
             logger.info("[%s] preparing the averager of round %d failed: %r", self.region, key[0], error)
+            return
+        with self._prepared_lock:
+            if self._closed:  # shut down meanwhile
+                stale = prepared
+            else:  # the newest wins; an older one (its round came before it was ready) goes
+                stale, self._prepared = self._prepared, prepared
+        if stale is not None:
+            stale[1].shutdown()
 
     def _take_prepared(self, key: tuple) -> tuple[ExactAverager, list[torch.Tensor]] | None:
         """The prepared averager if it is for this round (index, group size, tensors); else None, the other
         one shut down (a re-synced region skips rounds; a smaller group needs another target size)."""
-        if self._preparing is not None:
-            self._preparing.join()
+        if self._preparing is not None:  # normally done long ago (the inner steps ran meanwhile)
+            self._preparing.join(timeout=PREPARE_WAIT_SECONDS)
             self._preparing = None
-        prepared, self._prepared = self._prepared, None
+        with self._prepared_lock:
+            prepared, self._prepared = self._prepared, None
         if prepared is None:
             return None
         if prepared[0] == key and prepared[1].is_alive():
@@ -298,10 +310,12 @@ class RegionAverager:
         return None
 
     def shutdown(self) -> None:
-        if self._preparing is not None:
-            self._preparing.join()
+        self._closed = True  # a round still running prepares nothing after it
         with self._lock:
-            prepared, self._prepared = self._prepared, None
+            if self._preparing is not None:
+                self._preparing.join()
+            with self._prepared_lock:
+                prepared, self._prepared = self._prepared, None
             if prepared is not None:
                 prepared[1].shutdown()
             if self._owns_dht and self.dht is not None:

@@ -4,13 +4,16 @@ Real packets: every TCP segment to or from a shaped port (a region's `outer.port
 listens; DHT and all-reduce traffic both use it) passes an HTB class on the loopback device limited to the
 link's rate, one class per port and direction (a full-duplex link per region); with the kernel's `sch_netem`,
 a netem qdisc under each class adds the delay, jitter and loss. Everything else on the device (Ray's own
-traffic) is not classified and passes at full speed (`htb default 0`).
+traffic) is not classified and passes at full speed (`htb default 0`). A link belongs to a listening port, so
+with two regions each direction between them is one link; with more, a region's upload is split over the
+links of the ports it talks to.
 
 Needs root and iproute2's `tc`. Kernels built without `sch_netem` (this project's CI machines, Firecracker
 guests) can shape the rate but not delay, jitter or loss: asking for those there is refused with one line,
 as is not being root. `verify_link` times a transfer and a ping-pong over a shaped port so a measurement
-prints what the link did beside what was asked. The rules are removed on exit, also when the body raises, and
-at interpreter exit (a killed benchmark leaves nothing behind but for SIGKILL: then `remove_shaping()`).
+prints what the link did beside what was asked. The rules are removed on exit, also when the body raises,
+on SIGTERM (in the main thread, it becomes SystemExit inside the block) and at interpreter exit; after a
+SIGKILL, `remove_shaping()` (or `tc qdisc del dev lo root`) removes them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -106,6 +110,9 @@ class ShapedPorts:
     def __enter__(self) -> "ShapedPorts":
         check_can_shape(self.link)
         atexit.register(remove_shaping)
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():  # SIGTERM would skip atexit
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._install()
         except BaseException:
@@ -116,6 +123,8 @@ class ShapedPorts:
     def __exit__(self, *exc) -> None:
         remove_shaping()
         atexit.unregister(remove_shaping)
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
 
     def _install(self) -> None:
         rate = f"{self.link.rate_mbit:g}mbit"
@@ -138,6 +147,10 @@ class ShapedPorts:
                 _tc("filter", "add", "dev", DEVICE, "protocol", "ip", "parent", HANDLE, "prio", "1", "u32",
                     "match", "ip", direction, str(port), "0xffff", "flowid", classid)
                 minor += 1
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 @dataclass(frozen=True)
@@ -169,7 +182,7 @@ def verify_link(port: int, seconds: float = 1.0, rate_mbit: float = 100.0) -> Li
             thread.join(timeout=60 + 10 * seconds)
     if "seconds" not in received:
         raise ShapingError(f"the transfer over port {port} did not finish: the link stalls")
-    return LinkCheck(payload * 8 / received["seconds"] / 1e6, 1e3 * statistics.median(rtts))
+    return LinkCheck(received["bytes"] * 8 / received["seconds"] / 1e6, 1e3 * statistics.median(rtts))
 
 
 def _serve(server: socket.socket, payload: int, received: dict[str, float]) -> None:
@@ -178,11 +191,13 @@ def _serve(server: socket.socket, payload: int, received: dict[str, float]) -> N
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(20):
             conn.sendall(conn.recv(1))
-        got, started = 0, None
+        got, started, counted_from = 0, None, 0
         while got < payload:
             chunk = conn.recv(1 << 20)
             if not chunk:
                 return
-            started = started or time.perf_counter()
             got += len(chunk)
+            if started is None and got >= payload // 8:  # past the shaper's burst: the rate it holds
+                started, counted_from = time.perf_counter(), got
         received["seconds"] = time.perf_counter() - started
+        received["bytes"] = got - counted_from
