@@ -8,9 +8,9 @@ Hivemind DHT + the exact all-reduce, `--compression` on the wire) listening on a
 the first one's DHT address, then run `--rounds` rounds from a common barrier, `--gap-seconds` apart (the
 inner steps between two rounds, not timed: what a region prepares between rounds is off the critical path).
 Per configuration it prints the median round and its split (averager start-up, matchmaking, all-reduce =
-transfer + decode, shutdown), the bytes each region sent, and the byte floor: the most bytes one region sent ÷ the link rate measured by
-one TCP stream just before (loopback, or the `tc`-shaped link of `ray_diloco.sync.wan_emulation`). The ratio
-round ÷ floor is what the all-reduce costs beyond moving its bytes (1.0: nothing).
+transfer + decode, shutdown), the bytes each region sent, and the byte floor: the most bytes one region sent
+÷ the link rate measured by one TCP stream just before (loopback, or the `tc`-shaped link of
+`ray_diloco.sync.wan_emulation`). The ratio round ÷ floor is what the all-reduce costs beyond moving its bytes (1.0: nothing).
 """
 
 from __future__ import annotations
