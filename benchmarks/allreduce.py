@@ -10,7 +10,8 @@ inner steps between two rounds, not timed: what a region prepares between rounds
 Per configuration it prints the median round and its split (averager start-up, matchmaking, all-reduce =
 transfer + decode, shutdown), the bytes each region sent, and the byte floor: the most bytes one region sent
 ÷ the link rate measured by one TCP stream just before (loopback, or the `tc`-shaped link of
-`ray_diloco.sync.wan_emulation`). The ratio round ÷ floor is what the all-reduce costs beyond moving its bytes (1.0: nothing).
+`ray_diloco.sync.wan_emulation`). The ratio round ÷ floor is what the all-reduce costs beyond moving its
+bytes (1.0: nothing).
 """
 
 from __future__ import annotations
