@@ -1,8 +1,8 @@
 """WAN emulation (ray_diloco.sync.wan_emulation): real `tc` rules on the loopback device, real TCP transfers.
 
 Checks that a shaped port runs at the asked rate while other ports do not, that the rules are gone after the
-block (also when it raises, or the process exits or gets SIGTERM inside it), that a non-root user and a delay on a kernel
-without sch_netem are refused with one line. Needs root and iproute2 (`.ci/run` installs it); skips, saying
+block (also when it raises, or the process exits or gets SIGTERM inside it), that a non-root user and a delay
+on a kernel without sch_netem are refused with one line. Needs root and iproute2 (`.ci/run` installs it); skips, saying
 why, where either is missing.
 """
 
