@@ -17,6 +17,7 @@ bytes (1.0: nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import statistics
 import sys
@@ -25,7 +26,7 @@ import time
 import torch
 
 from ray_diloco.sync.averaging import RegionAverager
-from ray_diloco.sync.wan_emulation import Link, ShapedPorts, ShapingError, verify_link
+from ray_diloco.sync.wan_emulation import Link, ShapedPorts, ShapingError, check_can_shape, verify_link
 
 BASE_PORT = 46100
 
@@ -105,32 +106,31 @@ def main(argv: list[str] | None = None) -> int:
     link = Link(args.wan_mbit) if args.wan_mbit else None
     ports = [BASE_PORT + i for i in range(max(counts))]
     try:
-        shaping = ShapedPorts(ports, link) if link else None
-        if shaping:
-            shaping.__enter__()
+        if link:
+            check_can_shape(link)  # before anything starts: root, tc
     except ShapingError as error:
         print(f"allreduce.py: error: --wan-mbit: {error}", file=sys.stderr)
         return 2
-    try:
-        check = verify_link(ports[0], seconds=1.0, rate_mbit=args.wan_mbit or 10000)
-        label = link.label() if link else "loopback"
-        print(f"# {label}: {check.line(link) if link else f'one TCP stream {check.rate_mbit:.0f} Mbit/s'}")
-        print(f"# {args.mb:g} MB fp32 per region, {args.compression} on the wire, {args.rounds} rounds, "
-              f"matchmaking {args.matchmaking_seconds:g} s")
-        print("| regions | link | round s | start-up | matchmaking | all-reduce | shutdown | MB sent | floor s "
-              "| ÷ floor |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for regions in counts:
-            started = time.time()
-            row = run_config(regions, args, check.rate_mbit)
-            print(f"| {regions} | {label} | {row['seconds']:.2f} | {row['startup']:.2f} | {row['matchmaking']:.2f} "
-                  f"| {row['allreduce']:.2f} | {row['shutdown']:.2f} | {row['sent_mb']:.1f} | {row['floor']:.3f} "
-                  f"| {row['ratio']:.1f} |", flush=True)
-            print(f"#   ({time.time() - started:.0f} s wall)", file=sys.stderr)
-    finally:
-        if shaping:
-            shaping.__exit__(None, None, None)
+    with ShapedPorts(ports, link) if link else contextlib.nullcontext():
+        measure(args, counts, ports, link)
     return 0
+
+
+def measure(args: argparse.Namespace, counts: list[int], ports: list[int], link: Link | None) -> None:
+    check = verify_link(ports[0], seconds=1.0, rate_mbit=args.wan_mbit or 10000)
+    label = link.label() if link else "loopback"
+    print(f"# {label}: {check.line(link) if link else f'one TCP stream {check.rate_mbit:.0f} Mbit/s'}")
+    print(f"# {args.mb:g} MB fp32 per region, {args.compression} on the wire, {args.rounds} rounds, "
+          f"matchmaking {args.matchmaking_seconds:g} s")
+    print("| regions | link | round s | start-up | matchmaking | all-reduce | shutdown | MB sent | floor s | ÷ floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for regions in counts:
+        started = time.time()
+        row = run_config(regions, args, check.rate_mbit)
+        print(f"| {regions} | {label} | {row['seconds']:.2f} | {row['startup']:.2f} | {row['matchmaking']:.2f} "
+              f"| {row['allreduce']:.2f} | {row['shutdown']:.2f} | {row['sent_mb']:.1f} | {row['floor']:.3f} "
+              f"| {row['ratio']:.1f} |", flush=True)
+        print(f"#   ({time.time() - started:.0f} s wall)", file=sys.stderr)
 
 
 if __name__ == "__main__":
