@@ -13,8 +13,10 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import ray
 import ray.train
 import ray.train.torch
@@ -29,6 +31,7 @@ from ray_diloco.batches import WorkerBatches, region_progress
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.inner import build_inner_optimizer, reset_nonfinite_state
 from ray_diloco.model import build_model
+from ray_diloco.sharding import from_wire, to_wire
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
 
@@ -65,15 +68,17 @@ def shard_model(model: torch.nn.Module, device: torch.device, world_size: int) -
 
 
 @torch.no_grad()
-def load_rows(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> None:
+def load_rows(model: torch.nn.Module, rows: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+    rows = from_wire(rows)
     for name, param in model.named_parameters():
         shard = local_shard(param)
         shard.copy_(rows[name].to(device=shard.device, dtype=shard.dtype).reshape(shard.shape))
 
 
-def shards_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's shards as fp32 CPU tensors: what the SyncActor assembles into θ_region."""
-    return {name: local_shard(p).detach().float().cpu().clone() for name, p in model.named_parameters()}
+def shards_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """This rank's shards in fp32 on the CPU, as the SyncActor's wire takes them (`to_wire`): views of the
+    parameters where they are fp32 on the CPU already, which Ray copies when the call is made."""
+    return to_wire({name: local_shard(p).detach().float().cpu() for name, p in model.named_parameters()})
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -157,7 +162,7 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
     inner AdamW state and schedule position from the worker checkpoint of that same outer step when one is
     committed, and the region's data position after that outer step. Returns (outer step, data position)."""
     point = ray.get(sync_actor.resume_state.remote(rank, world_size))  # one call: one consistent state
-    rows = point["rows"]
+    rows = from_wire(point["rows"])
     inner_position = point["outer_step"] * inner_steps
     if point["worker_checkpoint"] is not None:
         meta = load_worker_checkpoint(point["worker_checkpoint"], model, inner_step.optimizer)

@@ -19,7 +19,7 @@ import torch
 
 from conftest import small_run
 from ray_diloco.sync.actor import SyncActorImpl
-from ray_diloco.sharding import rows_for_rank
+from ray_diloco.sharding import from_wire, rows_for_rank
 from ray_diloco.sync.codecs import get_codec
 
 LR, MOMENTUM = 0.7, 0.9
@@ -75,7 +75,8 @@ def drive(actor: SyncActorImpl, outer_steps: int) -> list[tuple[int, dict]]:
         state, out = actor.global_state(), []
         for step in range(outer_steps):
             local = {k: state[k] - u for k, u in inner_update(step, state).items()}
-            reached, state, _ = await actor.exchange(step, 0, 1, local, tokens=1000)
+            reached, rows, _ = await actor.exchange(step, 0, 1, local, tokens=1000)
+            state = from_wire(rows)
             out.append((reached, state))
         return out
     return asyncio.run(loop())
@@ -109,12 +110,12 @@ def test_a_stale_exchange_is_refused_and_a_restart_starts_from_theta_global(tmp_
         with pytest.raises(RuntimeError, match="workers should be at step 1"):
             await actor.exchange(0, 0, 1, local, tokens=1000)  # the same round again: another base
         restarted = await actor.resume_state(0, 1)  # a new group: the round in flight ends first
-        return reached, handed, restarted
+        return reached, from_wire(handed), restarted
 
     reached, handed, restarted = asyncio.run(scenario())
     assert reached == 1 and restarted["outer_step"] == 1 == actor.outer_step()
     # The overlapped hand-back carried the drift; the restart gets θ_global,1 itself, and exchanges from it.
-    assert all(torch.equal(restarted["rows"][k], actor.global_state()[k]) for k in state)
+    assert all(torch.equal(from_wire(restarted["rows"])[k], actor.global_state()[k]) for k in state)
     assert not all(torch.equal(handed[k], actor.global_state()[k]) for k in state)
     assert actor.base is None
 
@@ -155,4 +156,4 @@ def test_every_rank_of_a_restarting_group_gets_the_state_after_the_round_in_flig
     assert first["outer_step"] == second["outer_step"] == 1 == actor.outer_step()
     for rank, point in enumerate((first, second)):
         expected = rows_for_rank(actor.global_state(), 2, rank)
-        assert all(torch.equal(point["rows"][name], expected[name]) for name in expected)
+        assert all(torch.equal(from_wire(point["rows"])[name], expected[name]) for name in expected)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import small_run
+from ray_diloco.sharding import from_wire
 from ray_diloco.sync.outer import state_digest
 from ray_diloco.sync.actor import SyncActorImpl
 
@@ -53,6 +54,7 @@ def test_region_with_nonfinite_delta_sits_out_and_resyncs_to_the_other(tmp_path)
                                         bad.exchange(0, 0, 1, bad_shards, tokens=1000))
 
         (good_step, good_rows, good_stop), (bad_step, bad_rows, bad_stop) = asyncio.run(both())
+        good_rows, bad_rows = from_wire(good_rows), from_wire(bad_rows)
     finally:
         for actor in (bad, good):
             if actor is not None:
@@ -149,7 +151,7 @@ def test_a_region_late_for_the_last_round_ends_at_t_with_the_others_state(tmp_pa
             if actor is not None:
                 actor.shutdown()
     assert step == late.outer_step() == 3
-    assert late.digest() == done.digest() == state_digest(rows)
+    assert late.digest() == done.digest() == state_digest(from_wire(rows))
     assert [e["event"] for e in late.events][-2:] == ["resync", "round_skipped_at_end"]
 
 

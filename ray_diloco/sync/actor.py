@@ -33,8 +33,10 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import ray
 import torch
 
@@ -43,7 +45,7 @@ from ray_diloco.batches import region_progress
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
-from ray_diloco.sharding import assemble, rows_for_rank
+from ray_diloco.sharding import assemble, from_wire, rows_for_rank, to_wire
 from ray_diloco.sync import policy
 from ray_diloco.sync.averaging import RegionAverager, own_result
 from ray_diloco.sync.codecs import count_nonfinite
@@ -228,7 +230,7 @@ class SyncActorImpl(Membership):
         # position is the region's.
         with self._state_lock:
             step = self.outer.step_count
-            rows = rows_for_rank(self.outer.global_state(), world_size, rank)
+            rows = to_wire(rows_for_rank(self.outer.global_state(), world_size, rank))
         worker_checkpoint = self.committed[1] if self.committed and self.committed[0] == step else None
         return {"outer_step": step, "rows": rows, "progress": self.progress,
                 "worker_checkpoint": worker_checkpoint}
@@ -285,11 +287,12 @@ class SyncActorImpl(Membership):
         current round, with a checkpoint of it, so the run can continue from there."""
         self.stop_requested = True
 
-    async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, torch.Tensor],
-                       tokens: int, progress: dict | None = None) -> tuple[int, dict[str, torch.Tensor], bool]:
-        """Called by every rank after H inner steps (`outer_step` counts the region's own rounds); returns
-        the outer step now reached (ahead of the workers' count after a re-sync), the rank's rows, and
-        whether to stop there (the same answer for every rank of the round)."""
+    async def exchange(self, outer_step: int, rank: int, world_size: int, shards: Mapping[str, np.ndarray],
+                       tokens: int, progress: dict | None = None) -> tuple[int, dict[str, np.ndarray], bool]:
+        """Called by every rank after H inner steps (`outer_step` counts the region's own rounds) with its
+        shards; returns the outer step now reached (ahead of the workers' count after a re-sync), the rank's
+        rows, and whether to stop there (the same answer for every rank of the round). Shards and rows travel
+        as numpy arrays (`to_wire`; torch tensors are taken too)."""
         if self.group_workers is not None and world_size != self.group_workers:  # a late call of a resized group
             raise RuntimeError(f"[{self.region}] rank {rank} of a group of {world_size} exchanges, but the region's "
                                f"group has {self.group_workers} workers now")
@@ -299,7 +302,7 @@ class SyncActorImpl(Membership):
                                f"workers should be at step {expected}: its Δ would be computed against another "
                                "base (the worker group restarts from the current state)")
         pending = self._rounds.setdefault(outer_step, _PendingRound(world_size))
-        pending.shards[rank] = shards
+        pending.shards[rank] = from_wire(shards)
         pending.tokens_by_rank[rank] = tokens
         pending.progress_by_rank[rank] = progress
         if len(pending.shards) == world_size:
@@ -317,7 +320,7 @@ class SyncActorImpl(Membership):
         await asyncio.wait_for(pending.done.wait(), timeout=2 * self._await_bound())
         if pending.error is not None:
             raise pending.error
-        return pending.reached, rows_for_rank(pending.new_global, world_size, rank), pending.stop
+        return pending.reached, to_wire(rows_for_rank(pending.new_global, world_size, rank)), pending.stop
 
     async def _complete_round(self, workers_step: int, pending: _PendingRound) -> tuple[dict, int]:
         """Every rank is in: returns the state the workers go on from and its outer step. Blocking: after the
