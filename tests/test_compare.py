@@ -1,8 +1,8 @@
 """`benchmarks/compare.py` end to end at tiny sizes (2 workers/regions, H=2, T=2, 2 warm-start steps).
 
 Checks that one invocation writes the JSON, Markdown and PNG; that the table has every arm (ddp,
-diloco-none, diloco-fp16, diloco-scaled-fp16, single) with every column filled and finite; that all arms start from the one
-warm start (same held-out loss at start) with equal tokens per worker; and the wire-byte ratios:
+diloco-none, diloco-fp16, diloco-scaled-fp16, single) with every column filled and finite; that all arms start
+from the one warm start (same held-out loss at start) with equal tokens per worker; and the wire-byte ratios:
 fp16 sends 0.50× of fp32 (± 2 % framing), and DiLoCo's bytes per region are at most 1/H of DDP's bytes
 per worker times the codec ratio (fp16 0.5, none 1.0), plus a little framing.
 """

@@ -65,7 +65,8 @@ def ray_with_prometheus(tmp_path_factory):
     assert all(f.startswith(session) for f in sd_files), sd_files  # this cluster's nodes, not another Ray's
     work = tmp_path_factory.mktemp("prometheus")
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": sd_files, "refresh_interval": "5s"}]}]}
+              "scrape_configs": [{"job_name": "ray",
+                                  "file_sd_configs": [{"files": sd_files, "refresh_interval": "5s"}]}]}
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     process = subprocess.Popen([PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
