@@ -6,6 +6,7 @@ loss against tokens per worker, which the driver puts in summary.json and the be
 
 from __future__ import annotations
 
+import numpy as np
 import ray
 import torch
 
@@ -13,6 +14,7 @@ from ray_diloco import metrics
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.eval_set import evaluate_loss
 from ray_diloco.model import build_model, load_parameters
+from ray_diloco.sharding import from_wire
 
 
 class EvaluatorImpl:
@@ -27,9 +29,10 @@ class EvaluatorImpl:
         data, inner = self.cfg.data, self.cfg.inner
         return outer_step * self.cfg.outer.inner_steps * data.batch_size * data.seq_len * inner.grad_accum
 
-    def evaluate(self, outer_step: int, state: dict[str, torch.Tensor]) -> dict:
-        """Held-out loss of `state` after `outer_step` outer steps (or H-step blocks in ddp/single)."""
-        load_parameters(self.model, state)
+    def evaluate(self, outer_step: int, state: dict[str, np.ndarray]) -> dict:
+        """Held-out loss of `state` (full tensors, as `sharding.to_wire` sends them) after `outer_step` outer
+        steps (or H-step blocks in ddp/single)."""
+        load_parameters(self.model, from_wire(state))
         loss, perplexity = evaluate_loss(self.model, self.windows, self.cfg.data.batch_size)
         point = {"outer_step": outer_step, "tokens_per_worker": self.tokens_per_worker(outer_step),
                  "eval_loss": loss, "eval_perplexity": perplexity}

@@ -288,7 +288,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:
                 state = full_state(model)  # every rank takes part in the gather
                 if rank == 0:
-                    evaluator.evaluate.remote(outer_step, state)
+                    evaluator.evaluate.remote(outer_step, to_wire(state))
     # Every rank's data progress, for the region's position and fingerprint of the windows it trained on.
     progress_by_rank = [None] * world_size
     if world_size > 1:

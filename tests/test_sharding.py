@@ -51,3 +51,21 @@ def test_the_wire_round_trips_bit_for_bit_through_a_read_only_buffer_without_a_w
         assert back[name].dtype == torch.float32
         assert back[name].view(torch.int32).equal(tensor.view(torch.int32))  # NaN and -0.0 too
     assert from_wire(full)["w"] is full["w"]  # torch tensors pass as they are
+
+
+def test_ray_copies_the_arrays_of_a_call_when_it_is_made(local_ray):
+    """`to_wire` passes views of live tensors (the worker's parameters, the SyncActor's θ_global): that is safe
+    only because Ray serializes a call's arguments when `.remote()` returns, so a later in-place update is not
+    what the receiver gets. Large enough to go through the object store (> 100 KiB)."""
+    import ray
+
+    from ray_diloco.sharding import to_wire
+
+    @ray.remote
+    def total(arrays) -> float:
+        return float(sum(a.sum() for a in arrays.values()))
+
+    live = {"w": torch.ones(512, 512)}
+    pending = total.remote(to_wire(live))
+    live["w"].add_(1.0)  # the next inner steps, or the next outer step
+    assert ray.get(pending) == 512 * 512

@@ -459,7 +459,7 @@ class SyncActorImpl(Membership):
                                   "global_after": {k: v.clone() for k, v in new_global.items()}})
         every = self.config.run.eval_every
         if self.evaluator is not None and every and (outer_step + 1) % every == 0:
-            self.evaluator.evaluate.remote(outer_step + 1, {k: v.clone() for k, v in new_global.items()})
+            self.evaluator.evaluate.remote(outer_step + 1, to_wire(new_global))  # Ray copies it here
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, record["group_size"])
         if self.sharer is not None and self.outer.step_count >= self.config.run.outer_steps:
