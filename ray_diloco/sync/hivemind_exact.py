@@ -54,6 +54,7 @@ CompressionBase, MSGPackSerializer, get_dht_time):
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import math
 import signal
@@ -188,6 +189,16 @@ def roundtrip(codec: CompressionBase, part: torch.Tensor) -> torch.Tensor:
     return decode_part(codec.compress(part, CompressionInfo.from_tensor(part)))
 
 
+async def _end_after(messages: AsyncIterator, event: asyncio.Event) -> AsyncIterator:
+    """`messages`, then held open until `event`: our request stream to a reducer ends only once its last reply
+    is in, so its handler, its round and its averager process last until then. Without it, a reducer whose
+    own outputs were complete shut down while its last replies were still on their way (buffered in its
+    process or its p2p daemon on a slow link) and a sender lost a part (seen at 50 Mbit/s: 1 round in 15)."""
+    async for message in messages:
+        yield message
+    await event.wait()
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce that returns absolute averaged parts (not deltas), identical on every peer.
 
@@ -223,35 +234,47 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
 
     async def _communicate_with_remote_reducer(self, peer_id: PeerID, peer_index: int):
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        all_replies_in = asyncio.Event()
+        if expected == 0:
+            all_replies_in.set()
         try:
             done_sending = asyncio.Event()
-            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            inputs = self._generate_input_for_peer(peer_index)
+            delayed = self.should_delay_results(self.peer_id)
+            if not delayed:  # (a delayed sender's reducer answers only after our stream ends: no acknowledgement)
+                inputs = _end_after(inputs, all_replies_in)
+            inputs_aiter = attach_event_on_finished(inputs, done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
-            if self.should_delay_results(self.peer_id):
+            if delayed:
                 await done_sending.wait()
-
-            def _decode(msg: averaging_pb2.AveragingData):
-                if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                return decode_part(msg.tensor_part), msg.ByteSize()
 
             part_index = 0
             replies = aiter_with_timeout(stream, self.reducer_timeout)
             prefetch = self.tensor_part_container.prefetch
-            async for averaged_part, nbytes in amap_in_executor(_decode, replies, max_prefetch=prefetch):
+            decode = functools.partial(self._decode_reply, peer_id)
+            async for averaged_part, nbytes in amap_in_executor(decode, replies, max_prefetch=prefetch):
                 self.bytes_received += nbytes
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                 part_index += 1
-            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
-                raise AllreduceException(
-                    f"peer {peer_id} sent {part_index} parts, but we expected "
-                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
-                )
+                if part_index == expected:
+                    all_replies_in.set()
+            if part_index != expected:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+        finally:
+            all_replies_in.set()
+
+    @staticmethod
+    def _decode_reply(peer_id: PeerID, msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor, int]:
+        """A reducer's averaged part (run in an executor thread), and its size on the wire."""
+        if msg.code != averaging_pb2.AVERAGED_PART:
+            raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+        return decode_part(msg.tensor_part), msg.ByteSize()
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in super()._generate_input_for_peer(peer_index):
@@ -300,10 +323,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def wait_until_served(self, timeout: float) -> bool:
         """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned).
 
-        Our outputs can be complete while our last replies to a sender are still being written: a
-        per-round averager that shut down right then would cut that sender off (stock hivemind keeps its
-        averager alive, so it never meets this). When a handler's generator ends, p2p has sent its last
-        reply and closes the stream gracefully; the stream then lives in the (DHT's) p2p daemon.
+        Our outputs can be complete while our last replies to a sender are still on their way: a per-round
+        averager that shut down right then would cut that sender off (stock hivemind keeps its averager
+        alive, so it never meets this). A sender ends its request stream only once it holds every reply
+        (`_end_after`), so a handler that has ended has been acknowledged; the stream then closes.
         """
         if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
             return True  # nobody sends us anything
@@ -346,7 +369,7 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
-                 served_timeout: float = 10.0, **kwargs):
+                 served_timeout: float = 30.0, **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
         self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
