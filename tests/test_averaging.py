@@ -14,6 +14,7 @@ Checks that:
 * a missing region (3 expected, 2 present) ends the round after matchmaking_seconds with the 2 present;
 * a region alone gets its own Δ through the codec, group_size 1, within the timeout;
 * a reducer's round lasts until a slow sender holds every reply (its averager would otherwise cut it off);
+  a reducer that dies before its last reply fails the round at once;
 * a region whose averager dies mid-all-reduce: both regions return at once with consistent=False;
   one that stalls mid-all-reduce: both return by averaging_timeout (+ shutdown) with consistent=False;
 * bad arguments (unknown codec, weight <= 0, a Δ with NaN/inf) are refused;
@@ -298,6 +299,36 @@ def test_region_dying_mid_round_is_reported_inconsistent(monkeypatch):
     assert not dead.consistent and "died" in dead.error and dead.group_size == 1
     # the dead region falls back to its own Δ through the codec
     assert torch.equal(dead.averaged["w"], get_codec("fp16").roundtrip(make_delta(seed=1)["w"]))
+
+
+def test_a_reducer_dying_before_its_last_reply_fails_the_round_at_once(monkeypatch):
+    """r1 dies as a reducer after it has every part of r0's (its last reply never goes out). r0 has sent
+    everything and waits only for replies: it must see the stream end and return, not wait for an
+    acknowledgement stream to close until averaging_timeout (a first version of the acknowledgement did)."""
+    timeout = 30.0
+    regions = start_regions(2, run_id="die-late", matchmaking_seconds=MM, averaging_timeout=timeout,
+                            part_size_bytes=2**12)
+    victim = regions[1].dht.peer_id
+    original = ExactAllReduceRunner._accumulate_parts_streaming
+
+    async def die_before_the_last_reply(self, stream, sender_index):
+        replied = 0
+        async for msg in original(self, stream, sender_index):
+            if self.peer_id == victim and replied == self.tensor_part_reducer.num_parts - 1:
+                os._exit(1)  # in the victim's forked averager process: every part is in, the last reply is not out
+            yield msg
+            replied += 1
+
+    monkeypatch.setattr(ExactAllReduceRunner, "_accumulate_parts_streaming", die_before_the_last_reply)
+    try:
+        start = time.monotonic()
+        survivor, dead = run_round([(a, make_delta(seed=i), 1.0, 0) for i, a in enumerate(regions)])
+        seconds = time.monotonic() - start
+    finally:
+        shutdown(regions)
+    assert seconds < 10.0, f"{seconds:.1f} s: the survivor waited for a dead reducer"
+    assert not survivor.consistent and "reducer failed" in survivor.error
+    assert not dead.consistent
 
 
 def test_region_stalling_mid_round_cannot_hold_the_round_past_the_timeout(monkeypatch):
