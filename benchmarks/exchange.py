@@ -1,6 +1,6 @@
 """What one exchange's Ray round trip costs: a worker's fp32 shards to its SyncActor and rows back.
 
-    python benchmarks/exchange.py                      # the tiny-cpu model (27 MB fp32), ~1 min
+    python benchmarks/exchange.py                      # the tiny-cpu model (27 MB fp32), ~30 s
     python benchmarks/exchange.py --preset 150m --repeats 3
 
 Two Ray processes on this machine (a worker-like actor and an async actor standing in for the SyncActor),
