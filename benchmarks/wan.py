@@ -10,7 +10,8 @@ Each cell runs two clusters, as a multi-region deployment does: `ray-diloco trai
 verified before each cell by timing a transfer and a ping-pong over it. Per cell it prints:
 * compute utilization measured: 1 − time the workers waited on outer steps ÷ time in the training loop, from the
   end of the first exchange (the first round also waits for the other cluster to start; the run's whole-loop
-  `compute_utilization`, which includes that, is in the JSON), mean of the two regions;
+  `compute_utilization`, which includes that, is in the JSON), mean of the two regions; and the same without
+  the last round (it blocks in both modes, and overlapped it waits for all the lead the faster region built);
 * predicted by the analytic model papers use: C = H × the run's median inner step; S = bytes one region sent
   per round ÷ link rate + one round trip; blocking C / (C + S), overlapped C / max(C, S);
 * the sync: mean seconds the workers waited per round, that wait ÷ C (the measured share of a sync: the
@@ -111,14 +112,18 @@ def measure(args, link: Link, overlap: bool, rtt_ms: float, summaries: dict, wal
     sync = sent * 8 / (link.rate_mbit * 1e6) + 2 * link.delay_ms / 1e3
     predicted = compute / max(compute, sync) if overlap else compute / (compute + sync)
     utilization = statistics.mean(s["compute_utilization"] for s in summaries.values())
-    steady = []
+    steady, middle = [], []
     for region, summary in summaries.items():  # from the end of the first exchange: the clusters' start skew out
         loop = args.inner_steps * args.outer_steps * step_tokens / summary["tokens_per_second_per_worker"]
         (first_end, _), *rest = summary["sync_waits"][region]
         steady.append(1 - sum(wait for _, wait in rest) / (loop - first_end))
+        # Without the last round too: it always blocks, and waits for the slower region's whole lead
+        (last_end, last_wait), between = rest[-1], rest[:-1]
+        middle.append(1 - sum(wait for _, wait in between) / (last_end - last_wait - first_end) if between else 1.0)
     wait = statistics.mean(w for r, s in summaries.items() for _, w in s["sync_waits"][r][1:])
     return {"link": link.label(), "rate_mbit": link.rate_mbit, "mode": "overlapped" if overlap else "blocking",
             "utilization": statistics.mean(steady), "whole_run_utilization": utilization, "predicted": predicted,
+            "utilization_without_last_round": statistics.mean(middle),
             "wait_seconds_per_round": wait, "wait_share_of_compute": wait / compute,
             "compute_seconds": compute, "predicted_sync_seconds": sync,
             "all_reduce_seconds": statistics.median(r.get("all_reduce_seconds", 0.0) for r in rounds),
@@ -155,15 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wan.py: error: --links: {error}", file=sys.stderr)
         return 2
     rows = []
-    print("| link | mode | utilization measured | predicted | whole loop | H steps s | sync s predicted "
+    print("| link | mode | utilization measured | predicted | without the last round | whole loop | H steps s "
+          "| sync s predicted "
           "| workers' wait s/round | wait ÷ H steps | all-reduce s | held-out loss | regions agree | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for link in links:
         for overlap in (False, True):
             row = run_cell(args, link, overlap)
             rows.append(row)
             print(f"| {row['link']} | {row['mode']} | {row['utilization']:.3f} | {row['predicted']:.3f} | "
-                  f"{row['whole_run_utilization']:.3f} | "
+                  f"{row['utilization_without_last_round']:.3f} | {row['whole_run_utilization']:.3f} | "
                   f"{row['compute_seconds']:.1f} | {row['predicted_sync_seconds']:.2f} | "
                   f"{row['wait_seconds_per_round']:.2f} | {row['wait_share_of_compute']:.3f} | "
                   f"{row['all_reduce_seconds']:.2f} | {row['eval_loss']:.4f} | "
