@@ -92,6 +92,15 @@ def shutdown(averagers):
         a.shutdown()
 
 
+def timed_round(regions) -> tuple[list[RoundResult], float]:
+    """Round 0 of every region (Δ = make_delta(seed=its index), weight 1), its seconds; then all shut down."""
+    start = time.monotonic()
+    try:
+        return run_round([(a, make_delta(seed=i), 1.0, 0) for i, a in enumerate(regions)]), time.monotonic() - start
+    finally:
+        shutdown(regions)
+
+
 def assert_identical(results: list[RoundResult]):
     first = results[0]
     for r in results[1:]:
@@ -286,12 +295,7 @@ def test_region_dying_mid_round_is_reported_inconsistent(monkeypatch):
                 os._exit(1)
 
     monkeypatch.setattr(ExactAllReduceRunner, "_generate_input_for_peer", send_two_parts_then_die)
-    try:
-        start = time.monotonic()
-        survivor, dead = run_round([(a, make_delta(seed=i), 1.0, 0) for i, a in enumerate(regions)])
-        seconds = time.monotonic() - start
-    finally:
-        shutdown(regions)
+    (survivor, dead), seconds = timed_round(regions)
     assert seconds < 10.0, "a dead peer must not hold the round until averaging_timeout"
     # Depending on timing the survivor lost the victim as a reducer, as a sender, or both.
     assert not survivor.consistent and ("dropped" in survivor.error or "reducer failed" in survivor.error)
@@ -320,12 +324,7 @@ def test_a_reducer_dying_before_its_last_reply_fails_the_round_at_once(monkeypat
             replied += 1
 
     monkeypatch.setattr(ExactAllReduceRunner, "_accumulate_parts_streaming", die_before_the_last_reply)
-    try:
-        start = time.monotonic()
-        survivor, dead = run_round([(a, make_delta(seed=i), 1.0, 0) for i, a in enumerate(regions)])
-        seconds = time.monotonic() - start
-    finally:
-        shutdown(regions)
+    (survivor, dead), seconds = timed_round(regions)
     assert seconds < 10.0, f"{seconds:.1f} s: the survivor waited for a dead reducer"
     assert not survivor.consistent and "reducer failed" in survivor.error
     assert not dead.consistent
@@ -345,12 +344,7 @@ def test_region_stalling_mid_round_cannot_hold_the_round_past_the_timeout(monkey
                 await asyncio.sleep(3600)
 
     monkeypatch.setattr(ExactAllReduceRunner, "_generate_input_for_peer", send_one_part_then_hang)
-    try:
-        start = time.monotonic()
-        results = run_round([(a, make_delta(seed=i), 1.0, 0) for i, a in enumerate(regions)])
-        seconds = time.monotonic() - start
-    finally:
-        shutdown(regions)
+    results, seconds = timed_round(regions)
     assert seconds < timeout + 5.0, seconds
     for r, seed in zip(results, (0, 1)):
         assert not r.consistent and "averaging_timeout" in r.error and r.seconds < timeout + 5.0

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -287,12 +286,11 @@ class SyncActorImpl(Membership):
         current round, with a checkpoint of it, so the run can continue from there."""
         self.stop_requested = True
 
-    async def exchange(self, outer_step: int, rank: int, world_size: int, shards: Mapping[str, np.ndarray],
+    async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, np.ndarray],
                        tokens: int, progress: dict | None = None) -> tuple[int, dict[str, np.ndarray], bool]:
-        """Called by every rank after H inner steps (`outer_step` counts the region's own rounds) with its
-        shards; returns the outer step now reached (ahead of the workers' count after a re-sync), the rank's
-        rows, and whether to stop there (the same answer for every rank of the round). Shards and rows travel
-        as numpy arrays (`to_wire`; torch tensors are taken too)."""
+        """Called by every rank after H inner steps with its shards (`outer_step` counts the region's own rounds;
+        shards and rows as `to_wire` arrays); returns the outer step now reached (ahead of the workers' count
+        after a re-sync), the rank's rows, and whether to stop there (the same answer for every rank)."""
         if self.group_workers is not None and world_size != self.group_workers:  # a late call of a resized group
             raise RuntimeError(f"[{self.region}] rank {rank} of a group of {world_size} exchanges, but the region's "
                                f"group has {self.group_workers} workers now")
