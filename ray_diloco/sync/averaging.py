@@ -269,8 +269,7 @@ class RegionAverager:
             min_matchmaking_time=self.matchmaking_seconds, request_timeout=self.request_timeout,
             compression=self.codec, part_size_bytes=self.part_size_bytes,
             allreduce_timeout=self.averaging_timeout, next_chunk_timeout=self.next_chunk_timeout,
-            # Senders acknowledge our last replies once they hold them; one that died never does.
-            allow_state_sharing=False, served_timeout=min(30.0, 0.25 * self.averaging_timeout),
+            allow_state_sharing=False, served_timeout=min(10.0, 0.25 * self.averaging_timeout),
             shutdown_timeout=2.0,
         )
         try:

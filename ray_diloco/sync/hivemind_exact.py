@@ -19,8 +19,7 @@ A part whose reducer failed keeps the local part (`TensorPartContainer.register_
 runner reports `failed_size` and `banned_senders` so the caller can flag the round inconsistent.
 
 Also fixed for one short-lived averager per round, called from any thread: a reducer waits until its
-last replies have reached their senders before the round ends (each sender acknowledges with a unary
-`rpc_replies_received` once it holds every reply: `wait_until_served`), `run_in_background` does
+last replies are handed to p2p before the round ends (`wait_until_served`), `run_in_background` does
 not call signal.signal() in the parent, `start_step` cannot block forever on a dead child, and
 `_shutdown` does not trip over stock's `Future.finalize` bug.
 
@@ -30,13 +29,12 @@ API (DHT, DHT.store/get/run_coroutine, P2P.replicate, add_protobuf_handler, iter
 CompressionBase, MSGPackSerializer, get_dht_time):
 
 * this module, `ExactAllReduceRunner(AllReduceRunner)`: overrides `_communicate_with_peer`,
-  `_generate_input_for_peer`, `_accumulate_parts_streaming`; calls `_get_peer_stub` (also for our own
-  `rpc_replies_received`, which `ServicerBase` registers from its annotations; we reset its per-class cache),
+  `_generate_input_for_peer`, `_accumulate_parts_streaming`, `rpc_aggregate_part`; calls `_get_peer_stub`,
   `_ban_sender`, `should_delay_results`, `finalize(cancel=True)`; reads `modes`, `ordered_peer_ids`,
   `sender_peer_ids`, `peer_id`, `weight`, `reducer_timeout`, `banned_senders`, `parts_for_local_averaging`,
   `tensor_part_reducer` (`accumulate_part`, `num_parts`) and `tensor_part_container` (`compression`,
   `prefetch`, `num_parts_by_peer`, `register_processed_part`, `register_failed_reducer`, `failed_size`,
-  `total_size`, and sets `return_deltas`), `group_id`; `AveragingMode`; `AllreduceException`, `BannedException`
+  `total_size`, and sets `return_deltas`); `AveragingMode`; `AllreduceException`, `BannedException`
   (hivemind.averaging.partition); the AveragingData protobuf (hivemind.proto.averaging_pb2).
 * this module, `ExactAverager(DecentralizedAverager)`: overrides `_aggregate_with_group`,
   `_run_allreduce_inplace_`, `_shutdown`, `run`, `run_in_background`; uses `schema_hash`, `_p2p`, `prefix`,
@@ -56,7 +54,6 @@ CompressionBase, MSGPackSerializer, get_dht_time):
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import math
 import signal
@@ -91,8 +88,6 @@ from hivemind.utils.asyncio import (
 from ray_diloco.sync.codecs import SCALE_BYTES, get_codec, require_finite
 
 logger = get_logger(__name__)
-
-ACK_TIMEOUT_SECONDS = 5.0  # a sender's acknowledgement to a reducer (unary; fails at once if the reducer is gone)
 
 
 class _RefuseNonFinite:
@@ -207,7 +202,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self.codec: CompressionBase = self.tensor_part_container.compression
         self.bytes_sent = self.bytes_received = 0
-        self._acknowledged: set[PeerID] = set()  # remote senders that hold every reply of ours
+        self._served: set[PeerID] = set()  # remote senders whose rpc_aggregate_part has ended
         self._served_changed = asyncio.Event()
 
     # -- as a sender: our parts go to each reducer, its averaged parts come back --------------------------
@@ -228,7 +223,6 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
 
     async def _communicate_with_remote_reducer(self, peer_id: PeerID, peer_index: int):
-        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         try:
             done_sending = asyncio.Event()
             inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
@@ -236,42 +230,28 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 
+            def _decode(msg: averaging_pb2.AveragingData):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                return decode_part(msg.tensor_part), msg.ByteSize()
+
             part_index = 0
             replies = aiter_with_timeout(stream, self.reducer_timeout)
             prefetch = self.tensor_part_container.prefetch
-            decode = functools.partial(self._decode_reply, peer_id)
-            async for averaged_part, nbytes in amap_in_executor(decode, replies, max_prefetch=prefetch):
+            async for averaged_part, nbytes in amap_in_executor(_decode, replies, max_prefetch=prefetch):
                 self.bytes_received += nbytes
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                 part_index += 1
-            if part_index != expected:
-                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
+            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(
+                    f"peer {peer_id} sent {part_index} parts, but we expected "
+                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
+                )
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
-        await self._acknowledge(peer_id)
-
-    async def _acknowledge(self, peer_id: PeerID) -> None:
-        """Tell a reducer we hold every reply of its (`wait_until_served`). Best effort: without it the reducer
-        waits out served_timeout, as for a sender that died."""
-        try:
-            request = averaging_pb2.AveragingData(group_id=self.group_id)
-            await self._get_peer_stub(peer_id).rpc_replies_received(request, timeout=ACK_TIMEOUT_SECONDS)
-        except Exception as e:  # noqa: BLE001 — our round is complete either way
-            logger.debug(f"{peer_id} did not take our acknowledgement: {e!r}")
-
-    def note_replies_received(self, sender: PeerID) -> None:
-        self._acknowledged.add(sender)
-        self._served_changed.set()
-
-    @staticmethod
-    def _decode_reply(peer_id: PeerID, msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor, int]:
-        """A reducer's averaged part (run in an executor thread), and its size on the wire."""
-        if msg.code != averaging_pb2.AVERAGED_PART:
-            raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-        return decode_part(msg.tensor_part), msg.ByteSize()
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in super()._generate_input_for_peer(peer_index):
@@ -279,6 +259,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield msg
 
     # -- as a reducer: accumulate the senders' parts, answer each with the encoded average -----------------
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        try:
+            async for msg in super().rpc_aggregate_part(stream, context):
+                yield msg
+        finally:
+            self._served.add(context.remote_id)
+            self._served_changed.set()
+
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         part_index = 0
         try:
@@ -308,19 +298,19 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     async def wait_until_served(self, timeout: float) -> bool:
-        """Wait until every remote sender has acknowledged our replies (`rpc_replies_received`) or was banned.
+        """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned).
 
-        Our outputs can be complete while our last replies to a sender are still on their way (in this
-        process's socket buffers, behind a slow link): a per-round averager that shut down right then cut that
-        sender off, and it lost a part (seen at 50 Mbit/s: one round in 15). Stock hivemind keeps its averager
-        alive, so it never meets this. A sender that died never acknowledges: `timeout` bounds the wait.
+        Our outputs can be complete while our last replies to a sender are still being written: a
+        per-round averager that shut down right then would cut that sender off (stock hivemind keeps its
+        averager alive, so it never meets this). When a handler's generator ends, p2p has sent its last
+        reply and closes the stream gracefully; the stream then lives in the (DHT's) p2p daemon.
         """
         if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
             return True  # nobody sends us anything
         remote = [p for p in self.sender_peer_ids if p != self.peer_id]
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            pending = [p for p in remote if p not in self._acknowledged and p not in self.banned_senders]
+            pending = [p for p in remote if p not in self._served and p not in self.banned_senders]
             if not pending:
                 await asyncio.sleep(0.01)  # let p2p close the streams
                 return True
@@ -355,12 +345,8 @@ class ExactAverager(DecentralizedAverager):
     that is the only way its byte counts come back to the caller.
     """
 
-    # hivemind collects a servicer's rpc_* handlers once per class; a parent's list would lack ours
-    _rpc_handlers = None
-    _stub_type = None
-
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
-                 served_timeout: float = 30.0, **kwargs):
+                 served_timeout: float = 10.0, **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
         self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
@@ -409,15 +395,6 @@ class ExactAverager(DecentralizedAverager):
         allreduce_seconds = time.perf_counter() - start
         served = await runner.wait_until_served(self.served_timeout)
         self._round_stats = dict(runner.stats(), allreduce_seconds=allreduce_seconds, all_served=served)
-
-    async def rpc_replies_received(self, request: averaging_pb2.AveragingData,
-                                   context: P2PContext) -> averaging_pb2.AveragingData:
-        """A sender of group `request.group_id` holds every reply of ours (`wait_until_served`)."""
-        future = self._running_groups.get(request.group_id)
-        if future is not None:
-            runner = await future
-            runner.note_replies_received(context.remote_id)
-        return averaging_pb2.AveragingData()
 
     def start_step(self, *, gather, weight: float, timeout: float, init_timeout: float) -> StepControl:
         """`step(wait=False, allow_retries=False)` whose hand-shake with the child cannot block forever.
