@@ -14,6 +14,7 @@ Checks that:
 * a missing region (3 expected, 2 present) ends the round after matchmaking_seconds with the 2 present;
 * a region alone gets its own Δ through the codec, group_size 1, within the timeout;
 * a reducer that dies before its last reply fails the round at once;
+* a reducer's round lasts until a slow sender holds every reply (else the sender loses the last parts);
 * a region whose averager dies mid-all-reduce: both regions return at once with consistent=False;
   one that stalls mid-all-reduce: both return by averaging_timeout (+ shutdown) with consistent=False;
 * bad arguments (unknown codec, weight <= 0, a Δ with NaN/inf) are refused;
@@ -277,6 +278,36 @@ def test_alone_region_gets_its_own_delta_through_the_codec():
     codec = get_codec("fp16")
     for name in SHAPES:
         assert torch.equal(result.averaged[name], codec.roundtrip(delta[name]))
+
+
+def test_a_reducer_stays_until_its_last_reply_is_in(monkeypatch):
+    """r1 reads r0's averaged parts slowly (a slow link into r1, or a busy host): r0's handler has written
+    every reply long before r1 has read them. If r0's handler ends then, r0's p2p daemon closes the stream and
+    resets it, and the replies still buffered at r1's daemon are dropped: r1 lost a part (a 50 Mbit/s WAN run,
+    1 round in 15; test_slow_region under CI load). r1 must end its request stream only once it holds every
+    reply, and r0's round must last until then."""
+    per_reply = 0.3
+    regions = start_regions(2, run_id="ack", matchmaking_seconds=MM, averaging_timeout=60.0, part_size_bytes=2**16)
+    slow_reducer = regions[0].dht.peer_id  # set before the averagers fork: they inherit the patch
+    original = ExactAllReduceRunner._decode_reply
+
+    def slowly(peer_id, msg):
+        if peer_id == slow_reducer:
+            time.sleep(per_reply)
+        return original(peer_id, msg)
+
+    monkeypatch.setattr(ExactAllReduceRunner, "_decode_reply", staticmethod(slowly))
+    deltas = [{"w": torch.randn(2_000_000, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    try:
+        rounds = [run_round([(a, deltas[i], 1.0, r) for i, a in enumerate(regions)]) for r in range(2)]
+    finally:
+        shutdown(regions)
+    for fast, slow in rounds:
+        assert fast.consistent and slow.consistent, (fast.error, slow.error)
+        assert_identical([fast, slow])
+        # r0 reduces half of 2M values, fp16 in 64 KiB parts: ~16 replies, read slowly by r1 (a few at once)
+        assert slow.seconds > 10 * per_reply
+        assert fast.seconds > 0.8 * slow.seconds, (fast.seconds, slow.seconds)
 
 
 def test_region_dying_mid_round_is_reported_inconsistent(monkeypatch):

@@ -18,24 +18,28 @@ A part whose reducer failed keeps the local part (`TensorPartContainer.register_
 `return_deltas=False`), and a sender that dropped is left out of the parts it had not sent yet; the
 runner reports `failed_size` and `banned_senders` so the caller can flag the round inconsistent.
 
-Also fixed for one short-lived averager per round, called from any thread: a reducer waits until its
-last replies are handed to p2p before the round ends (`wait_until_served`), `run_in_background` does
-not call signal.signal() in the parent, `start_step` cannot block forever on a dead child, and
-`_shutdown` does not trip over stock's `Future.finalize` bug.
+Also fixed for one short-lived averager per round, called from any thread: a sender ends its request
+stream to a reducer only once it holds every reply, and the reducer's round waits for that
+(`_call_reducer`, `wait_until_served`; stock hivemind loses the last replies to a slow reader),
+`run_in_background` does not call signal.signal() in the parent, `start_step` cannot block forever on a
+dead child, and `_shutdown` does not trip over stock's `Future.finalize` bug.
 
 Hivemind internals this project relies on (private or undocumented in hivemind 1.1.x, hence the
 `hivemind>=1.1.10,<1.2` bound; re-check each one before moving the bound). Everything else we use is public
 API (DHT, DHT.store/get/run_coroutine, P2P.replicate, add_protobuf_handler, iterate_protobuf_handler,
-CompressionBase, MSGPackSerializer, get_dht_time):
+call_binary_stream_handler, P2P.send_protobuf/receive_protobuf/END_OF_STREAM, CompressionBase,
+MSGPackSerializer, get_dht_time):
 
 * this module, `ExactAllReduceRunner(AllReduceRunner)`: overrides `_communicate_with_peer`,
-  `_generate_input_for_peer`, `_accumulate_parts_streaming`, `rpc_aggregate_part`; calls `_get_peer_stub`,
-  `_ban_sender`, `should_delay_results`, `finalize(cancel=True)`; reads `modes`, `ordered_peer_ids`,
-  `sender_peer_ids`, `peer_id`, `weight`, `reducer_timeout`, `banned_senders`, `parts_for_local_averaging`,
-  `tensor_part_reducer` (`accumulate_part`, `num_parts`) and `tensor_part_container` (`compression`,
-  `prefetch`, `num_parts_by_peer`, `register_processed_part`, `register_failed_reducer`, `failed_size`,
-  `total_size`, and sets `return_deltas`); `AveragingMode`; `AllreduceException`, `BannedException`
-  (hivemind.averaging.partition); the AveragingData protobuf (hivemind.proto.averaging_pb2).
+  `_generate_input_for_peer`, `_accumulate_parts_streaming`, `rpc_aggregate_part`; calls `_ban_sender`,
+  `should_delay_results`, `finalize(cancel=True)`, `_servicer_type._get_handle_name`; reads `_p2p`,
+  `_prefix`, `modes`, `ordered_peer_ids`, `sender_peer_ids`, `peer_id`, `weight`, `reducer_timeout`,
+  `banned_senders`, `parts_for_local_averaging`, `tensor_part_reducer` (`accumulate_part`, `num_parts`) and
+  `tensor_part_container` (`compression`, `prefetch`, `num_parts_by_peer`, `register_processed_part`,
+  `register_failed_reducer`, `failed_size`, `total_size`, and sets `return_deltas`); `AveragingMode`;
+  `AllreduceException`, `BannedException` (hivemind.averaging.partition); the AveragingData protobuf
+  (hivemind.proto.averaging_pb2); the p2p stream protocol (a request stream ends with END_OF_STREAM; a
+  handler reads until then).
 * this module, `ExactAverager(DecentralizedAverager)`: overrides `_aggregate_with_group`,
   `_run_allreduce_inplace_`, `_shutdown`, `run`, `run_in_background`; uses `schema_hash`, `_p2p`, `prefix`,
   `_running_groups` (filled by `_register_allreduce_group`), `matchmaking_kwargs`, `serializer`, `bandwidth`,
@@ -54,6 +58,8 @@ CompressionBase, MSGPackSerializer, get_dht_time):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import math
 import signal
@@ -74,20 +80,19 @@ from hivemind.compression import (
     NoCompression,
     deserialize_torch_tensor,
 )
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import (
-    aiter_with_timeout,
     amap_in_executor,
     as_aiter,
-    attach_event_on_finished,
     azip,
 )
 
 from ray_diloco.sync.codecs import SCALE_BYTES, get_codec, require_finite
 
 logger = get_logger(__name__)
+CLOSE_WAIT_SECONDS = 5.0  # a sender waits this long for its reducer to close after our stream ended
 
 
 class _RefuseNonFinite:
@@ -223,35 +228,82 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
 
     async def _communicate_with_remote_reducer(self, peer_id: PeerID, peer_index: int):
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        part_index = 0
         try:
-            done_sending = asyncio.Event()
-            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-
-            def _decode(msg: averaging_pb2.AveragingData):
-                if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                return decode_part(msg.tensor_part), msg.ByteSize()
-
-            part_index = 0
-            replies = aiter_with_timeout(stream, self.reducer_timeout)
             prefetch = self.tensor_part_container.prefetch
-            async for averaged_part, nbytes in amap_in_executor(_decode, replies, max_prefetch=prefetch):
-                self.bytes_received += nbytes
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
-                part_index += 1
-            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
-                raise AllreduceException(
-                    f"peer {peer_id} sent {part_index} parts, but we expected "
-                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
-                )
+            decode = functools.partial(self._decode_reply, peer_id)
+            async with contextlib.aclosing(
+                self._call_reducer(peer_id, self._generate_input_for_peer(peer_index), expected)
+            ) as replies:  # closed (our stream with it) also when a reply fails to decode
+                async for averaged_part, nbytes in amap_in_executor(decode, replies, max_prefetch=prefetch):
+                    self.bytes_received += nbytes
+                    self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+                    part_index += 1
         except BaseException as e:
             if isinstance(e, Exception):
-                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
+                logger.debug(f"Caught {e!r} when communicating to {peer_id} ({part_index} of {expected} parts in)",
+                             exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+    async def _call_reducer(self, peer_id: PeerID, requests: AsyncIterator[averaging_pb2.AveragingData],
+                            expected: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The reducer's `expected` replies to our parts: hivemind's stub call of rpc_aggregate_part, except that
+        our request stream ends only once every reply is in, and we close only after the reducer has.
+
+        Why: the stub ends the request stream after the last part. The reducer's handler then ends as soon as it
+        has written its last reply, and its p2p daemon closes the stream, which resets it (the daemon's pipe
+        fails reading a stream closed for reading). A reset drops what the reading side has not taken from its
+        daemon yet: behind a slow link or on a busy host, our last replies (a 50 Mbit/s WAN run: 1 round in 15;
+        test_slow_region under CI load). Ending our stream late also keeps the reducer's round, and so its
+        averager process, alive until we hold everything (its `wait_until_served`).
+        A reducer that dies or ends early closes the stream: we see that at once and fail it (no hang)."""
+        handle = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
+        _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle)
+        all_in = asyncio.Event()
+        if self.should_delay_results(self.peer_id):  # (its reducer answers only after our stream ends)
+            all_in.set()
+
+        async def send_parts():
+            try:
+                async for request in requests:
+                    await P2P.send_protobuf(request, writer)
+                await all_in.wait()
+                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+            except BaseException:
+                writer.close()  # the reducer sees our stream end (it bans us), and we see its end: nobody waits
+                raise
+
+        sending = asyncio.create_task(send_parts())
+        try:
+            for received in range(expected):
+                try:
+                    reply, error = await asyncio.wait_for(
+                        P2P.receive_protobuf(averaging_pb2.AveragingData, reader), self.reducer_timeout)
+                except asyncio.IncompleteReadError:
+                    if sending.done() and not sending.cancelled() and sending.exception() is not None:
+                        raise sending.exception()
+                    raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
+                if error is not None:
+                    raise AllreduceException(f"peer {peer_id} failed: {error.message}")
+                yield reply
+            all_in.set()
+            await sending
+            try:  # the reducer closes once it has read our end; closing first could reset that end away
+                await asyncio.wait_for(reader.read(), CLOSE_WAIT_SECONDS)
+            except asyncio.TimeoutError:
+                logger.debug(f"{peer_id} did not close its stream within {CLOSE_WAIT_SECONDS} s")
+        finally:
+            sending.cancel()
+            writer.close()
+
+    @staticmethod
+    def _decode_reply(peer_id: PeerID, msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor, int]:
+        """A reducer's averaged part (run in an executor thread), and its size on the wire."""
+        if msg.code != averaging_pb2.AVERAGED_PART:
+            raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+        return decode_part(msg.tensor_part), msg.ByteSize()
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in super()._generate_input_for_peer(peer_index):
@@ -300,10 +352,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def wait_until_served(self, timeout: float) -> bool:
         """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned).
 
-        Our outputs can be complete while our last replies to a sender are still being written: a
-        per-round averager that shut down right then would cut that sender off (stock hivemind keeps its
-        averager alive, so it never meets this). When a handler's generator ends, p2p has sent its last
-        reply and closes the stream gracefully; the stream then lives in the (DHT's) p2p daemon.
+        Our outputs can be complete while a sender is still reading our last replies; a per-round averager
+        that shut down then would reset the stream and cut that sender off (stock hivemind keeps its averager
+        alive). A sender ends its request stream only once it holds every reply (`_call_reducer`), so a
+        handler that has ended has been acknowledged.
         """
         if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
             return True  # nobody sends us anything
