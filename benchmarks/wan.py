@@ -152,6 +152,9 @@ def write_png(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if Path(args.output).suffix.lower() != ".png":  # before the runs: a bad name once cost a whole grid's plot
+        print(f"wan.py: error: --output {args.output}: give a .png path (the JSON goes beside it)", file=sys.stderr)
+        return 2
     try:
         links = parse_links(args.links)
         for link in links:

@@ -99,3 +99,14 @@ def test_delay_is_emulated_with_netem_or_refused_where_the_kernel_has_none():
 def test_bad_ports_are_refused_before_any_rule():
     with pytest.raises(ShapingError, match="fixed ports"):
         ShapedPorts([0], Link(rate_mbit=10))
+
+
+def test_wan_benchmark_refuses_an_output_that_is_no_png_before_any_run(tmp_path):
+    """`--output` names the plot (the JSON goes beside it); a .json there failed only after every cell had run."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "wan.py")
+    done = subprocess.run([sys.executable, script, "--links", "50", "--output", str(tmp_path / "wan.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"wan.py: error: --output {tmp_path / 'wan.json'}: give a .png path "
+                                                "(the JSON goes beside it)"]
+    assert not list(tmp_path.iterdir())

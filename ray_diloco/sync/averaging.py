@@ -150,9 +150,10 @@ class RegionAverager:
         self.request_timeout = min(3.0, 0.5 * self.matchmaking_seconds)
         self.part_size_bytes = part_size_bytes
         # None: a stalled peer holds the round until averaging_timeout (then every peer reports it
-        # inconsistent). A value bans a sender / drops a reducer after that many seconds without a chunk
-        # (a sender's end of stream comes once it has read every reply: also a chunk); the round still ends
-        # inconsistent, only sooner, at the risk of false alarms on a slow WAN.
+        # inconsistent). A value bans a sender / drops a reducer after that many seconds without a chunk;
+        # the round still ends inconsistent, only sooner, at the risk of false alarms on a slow WAN (a
+        # sender's end of stream counts as a chunk and comes only once it has read every reply: keep the
+        # value above a round's reply time). The SyncActor leaves it None.
         self.next_chunk_timeout = next_chunk_timeout
         self._lock = threading.Lock()
         # The next round's averager, started after a round (tuple of key, averager, buffers), and its thread.
@@ -270,8 +271,9 @@ class RegionAverager:
             min_matchmaking_time=self.matchmaking_seconds, request_timeout=self.request_timeout,
             compression=self.codec, part_size_bytes=self.part_size_bytes,
             allreduce_timeout=self.averaging_timeout, next_chunk_timeout=self.next_chunk_timeout,
-            # A sender reads our last replies behind the link's backlog: shutting down first would cut it off.
-            allow_state_sharing=False, served_timeout=0.5 * self.averaging_timeout,
+            # A sender reads our last replies behind the link's backlog: shutting down first would cut it off;
+            # a quarter of the round's time, so that the wait itself leaves the round inside averaging_timeout.
+            allow_state_sharing=False, served_timeout=0.25 * self.averaging_timeout,
             shutdown_timeout=2.0,
         )
         try:

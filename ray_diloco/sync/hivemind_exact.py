@@ -46,9 +46,8 @@ MSGPackSerializer, get_dht_time):
   `mode`, `shutdown_timeout`, `remove_p2p_handlers`, the pipe protocol `_outer_pipe.send(("_step", ...,
   dict(step=, future_for_init=)))` and `_inner_pipe.send(("_SHUTDOWN", None))` (ends
   `_background_thread_fetch_current_state`); `StepControl(...)`, `.attach`, `.allow_allreduce`,
-  `.began_allreduce`, `GroupInfo`, `MPFuture`; hivemind.utils.asyncio helpers (`aiter_with_timeout`,
-  `amap_in_executor`, `as_aiter`, `attach_event_on_finished`, `azip`); `NoCompression`'s 2-byte "bfloat16"
-  buffer format and `deserialize_torch_tensor`.
+  `.began_allreduce`, `GroupInfo`, `MPFuture`; hivemind.utils.asyncio's `amap_in_executor`; `NoCompression`'s
+  2-byte "bfloat16" buffer format and `deserialize_torch_tensor`.
 * `ray_diloco.sync.averaging`: the log texts "power of 2" (logger hivemind.averaging.key_manager) and "could not
   find a group" (hivemind.averaging.averager), which it filters and matches on.
 * `ray_diloco.sync.state_sharing`: `DHT._get_p2p_daemon_listen_maddr` (to replicate the DHT's p2p daemon) and
@@ -83,11 +82,7 @@ from hivemind.compression import (
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
-from hivemind.utils.asyncio import (
-    amap_in_executor,
-    as_aiter,
-    azip,
-)
+from hivemind.utils.asyncio import amap_in_executor
 
 from ray_diloco.sync.codecs import SCALE_BYTES, get_codec, require_finite
 
@@ -193,6 +188,11 @@ def roundtrip(codec: CompressionBase, part: torch.Tensor) -> torch.Tensor:
     return decode_part(codec.compress(part, CompressionInfo.from_tensor(part)))
 
 
+def _exception_of(task: asyncio.Task) -> Optional[BaseException]:
+    """A finished task's exception (retrieved), None while it runs, was cancelled or succeeded."""
+    return task.exception() if task.done() and not task.cancelled() else None
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce that returns absolute averaged parts (not deltas), identical on every peer.
 
@@ -233,10 +233,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             prefetch = self.tensor_part_container.prefetch
             decode = functools.partial(self._decode_reply, peer_id)
-            async with contextlib.aclosing(
-                self._call_reducer(peer_id, self._generate_input_for_peer(peer_index), expected)
-            ) as replies:  # closed (our stream with it) also when a reply fails to decode
-                async for averaged_part, nbytes in amap_in_executor(decode, replies, max_prefetch=prefetch):
+            replies = self._call_reducer(peer_id, self._generate_input_for_peer(peer_index), expected)
+            # Both closed in order (amap's prefetch first, then our stream) also when a reply fails to decode.
+            async with contextlib.aclosing(replies), contextlib.aclosing(
+                amap_in_executor(decode, replies, max_prefetch=prefetch)
+            ) as decoded:
+                async for averaged_part, nbytes in decoded:
                     self.bytes_received += nbytes
                     self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                     part_index += 1
@@ -252,13 +254,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         """The reducer's `expected` replies to our parts: hivemind's stub call of rpc_aggregate_part, except that
         our request stream ends only once every reply is in, and we close only after the reducer has.
 
-        Why: the stub ends the request stream after the last part. The reducer's handler then ends as soon as it
-        has written its last reply, and its p2p daemon closes the stream, which resets it (the daemon's pipe
-        fails reading a stream closed for reading). A reset drops what the reading side has not taken from its
-        daemon yet: behind a slow link or on a busy host, our last replies (a 50 Mbit/s WAN run: 1 round in 15;
-        test_slow_region under CI load). Ending our stream late also keeps the reducer's round, and so its
-        averager process, alive until we hold everything (its `wait_until_served`).
-        A reducer that dies or ends early closes the stream: we see that at once and fail it (no hang)."""
+        With the stub, a reducer's handler ended once it had written its last reply; its p2p daemon then closes
+        the stream, which (by the daemon's pipe code) resets it, and a reset drops what the reader's daemon
+        still buffers: our last replies, behind a slow link or on a busy host (50 Mbit/s WAN run: 1 round in
+        15; test_slow_region under CI load). Ending late also keeps the reducer's round (its averager process)
+        alive until we hold everything (its `wait_until_served`). A reducer that ends early or whose process
+        dies closes the stream: we fail it at once (a host or link gone silent holds us until reducer_timeout
+        or the round's timeout, as in stock). A sender whose reducer delays results (hivemind: a peer with no
+        share) ends its stream after the last part, as stock does, with stock's exposure to that reset."""
         handle = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle)
         all_in = asyncio.Event()
@@ -282,20 +285,22 @@ class ExactAllReduceRunner(AllReduceRunner):
                     reply, error = await asyncio.wait_for(
                         P2P.receive_protobuf(averaging_pb2.AveragingData, reader), self.reducer_timeout)
                 except asyncio.IncompleteReadError:
-                    if sending.done() and not sending.cancelled() and sending.exception() is not None:
-                        raise sending.exception()
+                    failed_to_send = _exception_of(sending)
+                    if failed_to_send is not None and not isinstance(failed_to_send, ConnectionError):
+                        raise failed_to_send  # our own parts failed (a connection error is the reducer's end)
                     raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
                 if error is not None:
                     raise AllreduceException(f"peer {peer_id} failed: {error.message}")
                 yield reply
             all_in.set()
-            await sending
             try:  # the reducer closes once it has read our end; closing first could reset that end away
+                await asyncio.wait_for(sending, CLOSE_WAIT_SECONDS)
                 await asyncio.wait_for(reader.read(), CLOSE_WAIT_SECONDS)
             except asyncio.TimeoutError:
-                logger.debug(f"{peer_id} did not close its stream within {CLOSE_WAIT_SECONDS} s")
+                logger.debug(f"{peer_id} did not take our end or close its stream within {CLOSE_WAIT_SECONDS} s")
         finally:
             sending.cancel()
+            _exception_of(sending)  # retrieved, so asyncio does not log it again: the reason above is ours
             writer.close()
 
     @staticmethod
@@ -355,7 +360,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         Our outputs can be complete while a sender is still reading our last replies; a per-round averager
         that shut down then would reset the stream and cut that sender off (stock hivemind keeps its averager
         alive). A sender ends its request stream only once it holds every reply (`_call_reducer`), so a
-        handler that has ended has been acknowledged.
+        handler that ended normally has been acknowledged; one ended by a ban or an error does not wait.
         """
         if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
             return True  # nobody sends us anything
@@ -442,9 +447,14 @@ class ExactAverager(DecentralizedAverager):
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         start = time.perf_counter()
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)  # absolute average: copy, never add to the local value
+        outputs = aiter(runner)
+        for tensor in tensors:
+            tensor.copy_(await anext(outputs))  # absolute average: copy, never add to the local value
         allreduce_seconds = time.perf_counter() - start
+        # To its end, not stock's azip (which leaves run() finishing in the background): run() ends only once
+        # our streams to the reducers have closed, and our END_OF_STREAM must be out before this process exits.
+        async for _ in outputs:
+            raise AllreduceException("the all-reduce returned more tensors than it was given")
         served = await runner.wait_until_served(self.served_timeout)
         self._round_stats = dict(runner.stats(), allreduce_seconds=allreduce_seconds, all_served=served)
 
