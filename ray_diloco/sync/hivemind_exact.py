@@ -255,13 +255,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         our request stream ends only once every reply is in, and we close only after the reducer has.
 
         With the stub, a reducer's handler ended once it had written its last reply; its p2p daemon then closes
-        the stream, which (by the daemon's pipe code) resets it, and a reset drops what the reader's daemon
-        still buffers: our last replies, behind a slow link or on a busy host (50 Mbit/s WAN run: 1 round in
-        15; test_slow_region under CI load). Ending late also keeps the reducer's round (its averager process)
-        alive until we hold everything (its `wait_until_served`). A reducer that ends early or whose process
-        dies closes the stream: we fail it at once (a host or link gone silent holds us until reducer_timeout
-        or the round's timeout, as in stock). A sender whose reducer delays results (hivemind: a peer with no
-        share) ends its stream after the last part, as stock does, with stock's exposure to that reset."""
+        the stream, which (by the daemon's pipe code) resets it, dropping what the reader's daemon still buffers:
+        our last replies, behind a slow link or on a busy host (a 50 Mbit/s run; test_slow_region in CI). Ending
+        late also keeps the reducer's round alive until we hold everything (`wait_until_served`). A reducer that
+        ends early or dies closes the stream: we fail it at once (a silent host or link holds us until
+        reducer_timeout or the round's timeout, as in stock). With delayed results (hivemind: a peer with no
+        share) our stream ends after the last part, as in stock, with stock's exposure to that reset."""
         handle = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle)
         all_in = asyncio.Event()
@@ -355,13 +354,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     async def wait_until_served(self, timeout: float) -> bool:
-        """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned).
-
-        Our outputs can be complete while a sender is still reading our last replies; a per-round averager
-        that shut down then would reset the stream and cut that sender off (stock hivemind keeps its averager
-        alive). A sender ends its request stream only once it holds every reply (`_call_reducer`), so a
-        handler that ended normally has been acknowledged; one ended by a ban or an error does not wait.
-        """
+        """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned): a sender ends its
+        stream only once it holds every reply (`_call_reducer`); shutting down before would reset the stream
+        and cut it off (stock keeps its averager alive). A handler ended by a ban or an error does not wait."""
         if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
             return True  # nobody sends us anything
         remote = [p for p in self.sender_peer_ids if p != self.peer_id]
