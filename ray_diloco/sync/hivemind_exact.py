@@ -258,9 +258,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         the stream, which (by the daemon's pipe code) resets it, dropping what the reader's daemon still buffers:
         our last replies, behind a slow link or on a busy host (a 50 Mbit/s run; test_slow_region in CI). Ending
         late also keeps the reducer's round alive until we hold everything (`wait_until_served`). A reducer that
-        ends early or dies closes the stream: we fail it at once (a silent host or link holds us until
-        reducer_timeout or the round's timeout, as in stock). With delayed results (hivemind: a peer with no
-        share) our stream ends after the last part, as in stock, with stock's exposure to that reset."""
+        ends early or dies closes the stream: we fail it at once (a silent one holds us until reducer_timeout or
+        the round's timeout). Delayed results (a peer with no share) end our stream early, with stock's risk."""
         handle = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle)
         all_in = asyncio.Event()
