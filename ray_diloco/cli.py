@@ -228,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare_run(cfg, training_groups(cfg))
         from ray_diloco.driver import run_training
 
-        summary = run_training(cfg, address=args.address, prepared=prepared)
+        from ray_diloco.stopping import RunStopped
+
+        try:
+            summary = run_training(cfg, address=args.address, prepared=prepared)
+        except RunStopped as stopped:  # asked for: one line, no traceback
+            print(f"[driver] {stopped}", flush=True)
+            return 0
         return 0 if summary["eval_loss"] == summary["eval_loss"] else 1  # NaN loss fails the command
     except ConfigError as error:
         if getattr(args, "debug", False):

@@ -286,9 +286,12 @@ class RunConfig:
     """DiLoCo mode: the regions this driver runs in its Ray cluster (empty: all). The config lists every region of
     the run; each Ray cluster runs its own (`--local-regions eu`), and the data split, the regions the protocol
     knows and the run id come from the full list, so clusters that share the config read disjoint files."""
-    stop_timeout_seconds: float = 300.0
+    stop_timeout_seconds: float = 900.0
     """After a stop request (`ray job stop`, SIGTERM, Ctrl-C) the driver waits this long for every region to
-    finish its round and checkpoint it, then gives up (jobs/runtime_env.yaml lets Ray wait longer than this)."""
+    finish its round and checkpoint it, then aborts the regions still training. A stop lands mid-window: the
+    rest of the window (up to H inner steps), the round's wait for the others (up to outer.max_wait_seconds) and
+    its all-reduce (up to outer.averaging_timeout) must fit, so it may not be less than the last two together.
+    Ray must wait longer still (RAY_JOB_STOP_WAIT_TIME_S ≥ this + 60 s for the export; checked at start)."""
     resize_check_seconds: float = 60.0
     """An elastic region (`workers: min..max`): how often Ray Train looks for room for more workers while the
     group trains. It then restarts the group, bigger, from the region's last completed outer step (θ_global and
@@ -345,6 +348,12 @@ class ExperimentConfig:
                  "name each region once")
         _require(self.run.mode == "diloco" or not self.run.local_regions, "run.local_regions",
                  "only DiLoCo runs span Ray clusters; ddp and single run in one")
+        round_bound = self.outer.max_wait_seconds + self.outer.averaging_timeout
+        _require(self.run.mode != "diloco" or self.run.stop_timeout_seconds >= round_bound,
+                 "run.stop_timeout_seconds",
+                 f"{self.run.stop_timeout_seconds:g} s cannot hold one round's wait and all-reduce "
+                 f"(outer.max_wait_seconds + outer.averaging_timeout = {round_bound:g} s), before the rest of a "
+                 "window: raise it, or lower those two")
 
     def check_elastic(self) -> None:
         """Worker ranges only where one region runs in this Ray cluster (checked once the flags are applied: the

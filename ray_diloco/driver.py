@@ -13,7 +13,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,9 @@ from ray_diloco.sync.outer import state_digest
 from ray_diloco.plots import write_loss_png
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
 from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
-from ray_diloco.stopping import GracefulStop
+from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release, wait_for_groups,
+                                   wait_until_dead)
+from ray_diloco.stopping import RunStop, RunStopped
 from ray_diloco.sync.actor import SyncActor
 from ray_diloco.worker import region_train_loop
 
@@ -149,6 +150,12 @@ def actor_placement(region: RegionConfig) -> dict[str, Any]:
     return {"label_selector": selector} if selector else {}
 
 
+def run_actor_name(kind: str, cfg: ExperimentConfig, region: str | None = None) -> str:
+    """The Ray name of a run-scoped actor (`sync`, `stream`, `eval`, `data`): every process of a run can be found
+    by it (the dashboard's Actors page, `ray list actors`, tests that check none outlives the run)."""
+    return f"diloco-{kind}-{cfg.run.name}" + (f"-{region}" if region else "")
+
+
 def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], record_rounds: bool = False,
                       evaluator: Any = None) -> list[Any]:
     """The first region's actor bootstraps the DHT; the others join it with its multiaddrs. `resume`: the
@@ -160,7 +167,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
               f"{cfg.run.checkpoint_root()})", flush=True)
     for region in cfg.local_regions():
         step = resume[region.name]
-        options: dict[str, Any] = {"name": f"diloco-sync-{cfg.run.name}-{region.name}",
+        options: dict[str, Any] = {"name": run_actor_name("sync", cfg, region.name),
                                    "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region)}
         # One evaluator for the run: θ_global is the same in every region.
         actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds,
@@ -177,7 +184,7 @@ def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], datasets: l
     dataset split: a rank's rows there depend on the worker count, and an elastic group changes it."""
     streams = []
     for group, dataset in zip(groups, datasets):
-        options = actor_placement(group)
+        options = {"name": run_actor_name("stream", cfg, group.name), **actor_placement(group)}
         streams.append(RegionStream.options(**options).remote(dataset, cfg.data.batch_size, counters))
     return streams
 
@@ -228,31 +235,47 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
 
     Every input is checked before Ray starts (`prepared`: the CLI checks before importing this module), and
     the cluster's resources before any actor starts. `before_shutdown(actors)` sees the SyncActors after
-    training (tests read recorded rounds there; passing it makes the actors record every round's θ_region)."""
+    training (tests read recorded rounds there; passing it makes the actors record every round's θ_region).
+    SIGTERM and SIGINT are handled from the first line to the last (`RunStop`): a stop before training raises
+    `RunStopped`; one during training ends it at an outer-step boundary; one after training lets it finish."""
     started = time.perf_counter()
-    groups = training_groups(cfg)
-    prepared = prepared or prepare_run(cfg, groups)
-    cfg, out_dir = prepared.cfg, prepared.out_dir
-    connect_ray(address, cfg, groups)
-    check_cluster(cfg, groups)
-    check_elastic_region(cfg, groups)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"config{prepared.suffix}.yaml").write_text(cfg.to_yaml())
-    print(f"[driver] run {cfg.run.name}: results in {out_dir}, checkpoints in {cfg.run.checkpoint_root()}",
-          flush=True)
+    with RunStop(cfg.run.stop_timeout_seconds) as stop:
+        groups = training_groups(cfg)
+        prepared = prepared or prepare_run(cfg, groups)
+        cfg, out_dir = prepared.cfg, prepared.out_dir
+        try:
+            connect_ray(address, cfg, groups)
+        except SystemExit as exit_:  # ray.init's own SIGTERM handler, before ours is back in place
+            raise RunStopped("stopped on request while Ray was starting: nothing was trained") from exit_
+        stop.reinstall()  # ray.init replaced our handlers with its own
+        stop.raise_if_requested()
+        check_cluster(cfg, groups)
+        check_elastic_region(cfg, groups)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"config{prepared.suffix}.yaml").write_text(cfg.to_yaml())
+        print(f"[driver] run {cfg.run.name}: results in {out_dir}, checkpoints in {cfg.run.checkpoint_root()}",
+              flush=True)
 
-    windows = load_eval_windows(cfg.data, prepared.tokenizer)
-    model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
-    num_params = count_parameters(model)
-    eval_start, _ = evaluate_state(cfg, model, None, windows)
-    print(f"[driver] mode {cfg.run.mode}: {len(groups)} group(s) {[(g.name, g.workers) for g in groups]}, "
-          f"{num_params:,} parameters; held-out loss at start {eval_start:.4f}", flush=True)
-    outcome = train_groups(cfg, groups, prepared.resume, windows, num_params, before_shutdown)
+        windows = load_eval_windows(cfg.data, prepared.tokenizer)
+        model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
+        num_params = count_parameters(model)
+        eval_start, _ = evaluate_state(cfg, model, None, windows)
+        print(f"[driver] mode {cfg.run.mode}: {len(groups)} group(s) {[(g.name, g.workers) for g in groups]}, "
+              f"{num_params:,} parameters; held-out loss at start {eval_start:.4f}", flush=True)
+        stop.raise_if_requested()
+        outcome = train_groups(cfg, groups, prepared.resume, windows, num_params, before_shutdown, stop)
+        stop.finish()  # from here a signal waits for the export and summary
+        return finish_run(cfg, groups, prepared, model, windows, outcome, eval_start, num_params,
+                          time.perf_counter() - started)
 
+
+def finish_run(cfg: ExperimentConfig, groups: list[RegionConfig], prepared: PreparedRun, model, windows,
+               outcome: "TrainingOutcome", eval_start: float, num_params: int, wall: float) -> dict[str, Any]:
+    """The final evaluation of the exported θ_global, the model directory, summary.json and loss.png."""
+    out_dir = prepared.out_dir
     eval_loss, eval_ppl = evaluate_state(cfg, model, outcome.final_state, windows)
     save_model(model, outcome.final_state, out_dir / "model", prepared.tokenizer)
-    summary = build_summary(cfg, groups, outcome, eval_start, eval_loss, eval_ppl,
-                            time.perf_counter() - started, num_params)
+    summary = build_summary(cfg, groups, outcome, eval_start, eval_loss, eval_ppl, wall, num_params)
     summary_file = out_dir / f"summary{prepared.suffix}.json"
     summary_file.write_text(json.dumps(summary, indent=2))
     loss_png = write_loss_png(summary, out_dir / f"loss{prepared.suffix}.png")
@@ -294,67 +317,113 @@ def canonical_index(stats: list[dict]) -> int:
 
 
 def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict[str, int | None], windows,
-                 num_params: int, before_shutdown: Callable[[list[Any]], None] | None) -> TrainingOutcome:
-    """Start the run-scoped actors and one Ray Train group per region (or baseline group), wait for them."""
+                 num_params: int, before_shutdown: Callable[[list[Any]], None] | None,
+                 stop: RunStop | None = None) -> TrainingOutcome:
+    """Start the run-scoped actors and one Ray Train group per region (or baseline group), wait for them. Every
+    actor started here is ended here, whatever happens (`lifecycle.release`)."""
     # Progress bars and execution plans of Ray Data interleave with the status lines; per-step lines say more.
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = context.print_on_execution_start = False
-    counters = DataCounters.options(**on_driver_node()).remote()  # every pack task of the run reports to it
-    if cfg.run.mode == "diloco":  # the split follows the run's full region list (other clusters run the rest)
-        names = [r.name for r in cfg.regions]
-        datasets = build_region_datasets(cfg.data, len(names), cfg.run.seed, counters,
-                                         [names.index(g.name) for g in groups])
-    else:
-        datasets = build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
-    # Beside the driver where nodes come and go (an elastic region); anywhere else (it needs a CPU share).
-    placement = on_driver_node() if any(g.elastic for g in groups) else {}
-    evaluator = Evaluator.options(num_cpus=EVALUATOR_CPUS, **placement).remote(cfg.to_dict(), windows) \
-        if cfg.run.eval_every else None
-    actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator) \
-        if cfg.run.mode == "diloco" else [None] * len(groups)
-    live = LiveSummary([g.name for g in groups], actors, evaluator, cfg.run.outer_steps,
-                       patience=2 * cfg.outer.matchmaking_seconds) if cfg.run.mode == "diloco" else None
-    streams = start_streams(cfg, groups, datasets, counters)
+    actors: list[Any] = [None] * len(groups)
+    streams: list[Any] = []
+    evaluator = live = None
+    counters = DataCounters.options(name=run_actor_name("data", cfg), **on_driver_node()).remote()
     try:
+        datasets = region_datasets(cfg, groups, counters)
+        # Beside the driver where nodes come and go (an elastic region); anywhere else (it needs a CPU share).
+        placement = on_driver_node() if any(g.elastic for g in groups) else {}
+        if cfg.run.eval_every:
+            evaluator = Evaluator.options(name=run_actor_name("eval", cfg), num_cpus=EVALUATOR_CPUS,
+                                          **placement).remote(cfg.to_dict(), windows)
+        if cfg.run.mode == "diloco":
+            actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator)
+            live = LiveSummary([g.name for g in groups], actors, evaluator, cfg.run.outer_steps,
+                               patience=2 * cfg.outer.matchmaking_seconds)
+        streams = start_streams(cfg, groups, datasets, counters)
         trainers = [make_trainer(cfg, group, actor, evaluator, stream)
                     for group, actor, stream in zip(groups, actors, streams)]
-        with GracefulStop(actors, cfg.run.stop_timeout_seconds), ThreadPoolExecutor(len(trainers)) as pool:
-            # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
-            outcomes = list(pool.map(_fit, trainers, actors))
-        # A region whose group failed for good (after its restarts) has left the run; the others went on.
-        finished = [i for i, (_, error) in enumerate(outcomes) if error is None]
-        if not finished or (cfg.run.mode != "diloco" and len(finished) < len(groups)):
-            failed = [groups[i].name for i in range(len(groups)) if i not in finished]
-            raise RuntimeError(f"training failed in {failed}") from next(e for _, e in outcomes if e)
-        departures = [{"event": "region_departed", "region": groups[i].name, "time": time.time(),
-                       "error": str(outcomes[i][1]).splitlines()[0][:300]}
-                      for i in range(len(groups)) if i not in finished]
-        for departure in departures:
-            logger.warning("region %s left the run: %s", departure["region"], departure["error"])
-            metrics.safely(metrics.record_event, cfg.run.name, departure["region"], "region_departed")
-        worker_results = [outcomes[i][0].return_value for i in finished]
-        if cfg.run.mode == "diloco":
-            stats = ray.get([actors[i].stats.remote() for i in finished])
-            stats[0].setdefault("events", []).extend(departures)
-            exported = canonical_index(stats)  # not simply the first region: the state every region would adopt
-            final_state = ray.get(actors[finished[exported]].global_state.remote())
-            if before_shutdown is not None:
-                before_shutdown(actors)
-        else:
-            final_state, stats = baseline_outcome(cfg, groups[0], worker_results[0], num_params)
-        curve = ray.get(evaluator.get_curve.remote()) if evaluator else []
-        data_counts = ray.get(counters.get.remote())
-        metrics.safely(metrics.record_skipped_records, cfg.run.name, data_counts["skipped"])
+        if stop is not None:
+            stop.start_training(actors)
+        # Each fit() blocks until its group finishes; regions meet only in their SyncActors.
+        futures = [fit_in_background(_fit, t, a, g.name) for t, a, g in zip(trainers, actors, groups)]
+        outcomes = wait_for_groups(futures, [g.name for g in groups], stop)
+        return collect_outcome(cfg, groups, actors, outcomes, num_params, before_shutdown, evaluator, counters)
     finally:
         if live is not None:
             live.stop()
+        # Each ends itself first (Hivemind's processes, Ray Data's reader threads), then is killed, then waited
+        # for: a run leaves no process behind (a RegionStream once outlived its run by minutes).
         for actor in actors:
-            if actor is not None:
-                _stop_sync_actor(actor)
-        for helper in (evaluator, counters, *streams):  # run-scoped: a second run in this process starts anew
-            if helper is not None:
-                ray.kill(helper)
+            release(actor, "shutdown")
+        for stream in streams:
+            release(stream, "close")
+        for helper in (evaluator, counters):
+            release(helper, None)
+        left = wait_until_dead([*actors, *streams, evaluator, counters])
+        if left:
+            logger.warning("%d actor(s) of run %s still alive %.0f s after the run", len(left), cfg.run.name,
+                           RELEASE_SECONDS)
+
+
+def region_datasets(cfg: ExperimentConfig, groups: list[RegionConfig], counters: Any) -> list[Any]:
+    if cfg.run.mode == "diloco":  # the split follows the run's full region list (other clusters run the rest)
+        names = [r.name for r in cfg.regions]
+        return build_region_datasets(cfg.data, len(names), cfg.run.seed, counters,
+                                     [names.index(g.name) for g in groups])
+    return build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
+
+
+def collect_outcome(cfg: ExperimentConfig, groups: list[RegionConfig], actors: list[Any], outcomes: list,
+                    num_params: int, before_shutdown, evaluator: Any, counters: Any) -> TrainingOutcome:
+    """What the finished groups report. A region whose group failed for good (after its restarts) or was aborted
+    by a stop has left the run; the others went on. None finished: the run failed (or, aborted, stopped)."""
+    finished = [i for i, (_, error) in enumerate(outcomes) if error is None]
+    failed = [groups[i].name for i in range(len(groups)) if i not in finished]
+    if not finished or (cfg.run.mode != "diloco" and failed):
+        errors = [e for _, e in outcomes if e is not None]
+        if errors and all(isinstance(e, RegionAborted) for e in errors):
+            raise RunStopped(f"stopped on request: aborted the training of {failed} (no outer-step boundary in "
+                             f"time); {last_checkpoints(cfg, groups)}")
+        raise RuntimeError(f"training failed in {failed}") from errors[0]
+    departures = [{"event": "region_aborted" if isinstance(outcomes[i][1], RegionAborted) else "region_departed",
+                   "region": groups[i].name, "time": time.time(),
+                   "error": str(outcomes[i][1]).splitlines()[0][:300]} for i in range(len(groups)) if i not in finished]
+    for departure in departures:
+        logger.warning("region %s left the run: %s", departure["region"], departure["error"])
+        metrics.safely(metrics.record_event, cfg.run.name, departure["region"], departure["event"])
+    if any(d["event"] == "region_aborted" for d in departures):
+        print(f"[driver] stop: {last_checkpoints(cfg, groups)}", flush=True)
+    worker_results = [outcomes[i][0].return_value for i in finished]
+    if cfg.run.mode == "diloco":
+        stats = ray.get([actors[i].stats.remote() for i in finished])
+        stats[0].setdefault("events", []).extend(departures)
+        exported = canonical_index(stats)  # not simply the first region: the state every region would adopt
+        final_state = ray.get(actors[finished[exported]].global_state.remote())
+        if before_shutdown is not None:
+            before_shutdown(actors)
+    else:
+        final_state, stats = baseline_outcome(cfg, groups[0], worker_results[0], num_params)
+    curve = ray.get(evaluator.get_curve.remote()) if evaluator else []
+    data_counts = ray.get(counters.get.remote())
+    metrics.safely(metrics.record_skipped_records, cfg.run.name, data_counts["skipped"])
     return TrainingOutcome(stats, worker_results, finished, final_state, curve, data_counts)
+
+
+def last_checkpoints(cfg: ExperimentConfig, groups: list[RegionConfig]) -> str:
+    """Each region's last committed outer checkpoint, as one clause ('none' where there is none)."""
+    if cfg.run.mode != "diloco":
+        return "ddp and single runs keep no checkpoints"
+    from ray_diloco.checkpoint import CheckpointStore
+
+    parts = []
+    for group in groups:
+        try:
+            step = CheckpointStore(join(cfg.run.checkpoint_root(), group.name)).latest_step()
+        except Exception as error:  # the message must still be printed
+            step = f"unknown ({type(error).__name__})"
+        parts.append(f"{group.name}: {'none' if step is None else f'outer step {step}'}")
+    return (f"last committed checkpoints {{{', '.join(parts)}}} under {cfg.run.checkpoint_root()}; start it again "
+            f"with --run-name {cfg.run.name} to continue")
 
 
 def baseline_outcome(cfg: ExperimentConfig, group: RegionConfig, rank0: dict,
@@ -380,14 +449,6 @@ def _fit(trainer: TorchTrainer, actor: Any = None) -> tuple[Any, BaseException |
     if outcome[1] is not None and actor is not None:
         actor.shutdown.remote()
     return outcome
-
-
-def _stop_sync_actor(actor: Any) -> None:
-    try:
-        ray.get(actor.shutdown.remote(), timeout=30)
-    except Exception as error:  # a dead actor must not hide the run's own error
-        logger.warning("SyncActor shutdown failed: %s", error)
-    ray.kill(actor)
 
 
 def data_files(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, list[str]] | None:

@@ -53,7 +53,8 @@ def llama_150m() -> ExperimentConfig:
         outer=outer,
         regions=[RegionConfig(name=f"region-{i}", workers=8, cpus_per_worker=8, gpus_per_worker=1)
                  for i in range(2)],
-        run=RunConfig(outer_steps=88),
+        # A stop waits for the rest of a 500-step window, the others (≤ 300 s) and an all-reduce (≤ 600 s).
+        run=RunConfig(outer_steps=88, stop_timeout_seconds=1800.0),
     )
 
 
@@ -67,7 +68,7 @@ def llama_1b() -> ExperimentConfig:
         outer=outer,
         regions=[RegionConfig(name=f"region-{i}", workers=8, cpus_per_worker=8, gpus_per_worker=1)
                  for i in range(4)],
-        run=RunConfig(outer_steps=100),
+        run=RunConfig(outer_steps=100, stop_timeout_seconds=3600.0),
     )
 
 

@@ -24,6 +24,30 @@ logger = logging.getLogger(__name__)
 RAY_JOB_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
+# How long `ray job stop` lets the driver run after its SIGTERM before it kills it (Ray's job supervisor reads it
+# from the job's runtime_env, which the driver sees too).
+JOB_STOP_WAIT_ENV_VAR = "RAY_JOB_STOP_WAIT_TIME_S"
+
+
+def check_job_stop_wait(cfg: ExperimentConfig, value: str | None) -> None:
+    """Ray must let a stopped job wait for its stop: run.stop_timeout_seconds, then the export and summary. A
+    shorter RAY_JOB_STOP_WAIT_TIME_S gets the driver SIGKILLed mid-stop, losing the round's checkpoint."""
+    from ray_diloco.stopping import FINISHING_MARGIN_SECONDS
+
+    if value is None:
+        return
+    try:
+        wait = float(value)
+    except ValueError:
+        raise ConfigError(f"{JOB_STOP_WAIT_ENV_VAR}: {value!r} is not a number of seconds") from None
+    need = cfg.run.stop_timeout_seconds + FINISHING_MARGIN_SECONDS
+    if wait < need:
+        raise ConfigError(f"{JOB_STOP_WAIT_ENV_VAR}={value} is shorter than run.stop_timeout_seconds "
+                          f"({cfg.run.stop_timeout_seconds:g}) + {FINISHING_MARGIN_SECONDS:g} s for the export: "
+                          f"Ray would kill a stopping job; set it to at least {need:g} in the runtime_env "
+                          "(jobs/runtime_env.yaml) or lower run.stop_timeout_seconds")
+
+
 def training_groups(cfg: ExperimentConfig) -> list[RegionConfig]:
     """The Ray Train groups of a mode: one per region (diloco), one over all workers (ddp), one worker."""
     if cfg.run.mode == "diloco":
@@ -179,6 +203,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
 
     if cfg.run.name is None:
         raise ConfigError("run.name: give the run a name (--run-name)")
+    check_job_stop_wait(cfg, os.environ.get(JOB_STOP_WAIT_ENV_VAR))
     cfg.check_elastic()
     cfg = resolve_paths(cfg)
     if cfg.run.resume and cfg.run.mode == "diloco":

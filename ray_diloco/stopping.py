@@ -1,58 +1,121 @@
 """Stopping a run cleanly: `ray job stop` (and the dashboard's stop button) send the driver SIGTERM, Ctrl-C
-sends SIGINT. The first signal asks every region's SyncActor to end its region after the round in progress,
-whose checkpoint its workers then write: the run stops at an outer-step boundary, writes its summary with
-`stopped: true`, and continues from there when started again under its name. A second signal, or no
-boundary within `run.stop_timeout_seconds`, interrupts the driver at once.
+sends SIGINT. `RunStop` handles both for the whole life of the driver, in three phases:
+
+- starting (config, Ray, Hivemind, data): a stop ends the driver before any training, with one line
+  (`RunStopped`), nothing to checkpoint;
+- training: the first signal asks every region's SyncActor to end its region after the round in progress, whose
+  checkpoint its workers then write; the run stops at an outer-step boundary, writes its summary with
+  `stopped: true`, and continues from there when started again under its name. A second signal, or no boundary
+  within `run.stop_timeout_seconds`, makes the driver abort the regions still training (`deadline_passed`);
+- finishing (final evaluation, export, summary): a signal is noted and the driver finishes what it writes, so
+  the exported model and summary are never half-written.
+
+The handler only records the request; the driver's main loop acts on it (no Ray calls inside a signal handler,
+and no exception raised into code that is waiting on threads: that was how the stop timeout once failed to stop
+a driver whose `ThreadPoolExecutor` waited for every `fit()` to return).
 """
 
 from __future__ import annotations
 
-import _thread
 import logging
 import signal
 import threading
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# After the stop timeout the driver still evaluates, exports and writes its summary: how long Ray must wait
+# beyond run.stop_timeout_seconds before it kills a stopped job (RAY_JOB_STOP_WAIT_TIME_S).
+FINISHING_MARGIN_SECONDS = 60.0
 
 
-class GracefulStop:
-    """A context manager around a run's training: installs the handlers (main thread only: Python allows no
-    other) and forwards the request to the SyncActors from a thread (no Ray calls inside a signal handler)."""
+class RunStopped(Exception):
+    """The run was asked to stop before any region finished a round it could report (start-up, or every region
+    aborted at the stop timeout). The message says what was stopped and what was last checkpointed."""
 
-    def __init__(self, sync_actors: list[Any], timeout: float):
-        self.sync_actors, self.timeout = [a for a in sync_actors if a is not None], timeout
-        self.requested, self._finished = threading.Event(), threading.Event()
+
+class RunStop:
+    """The driver's signal handling (main thread only: Python allows no other). Use as a context manager around
+    the whole run; `reinstall()` after anything that sets its own handler (`ray.init` does)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.phase = "starting"
+        self.requested = threading.Event()
+        self.requested_at: float | None = None  # time.monotonic() of the first signal
+        self.forced = False  # a second signal while training: stop now
         self._previous: dict[int, Any] = {}
+        self._sync_actors: list[Any] = []
+        self._lock = threading.Lock()
 
-    def __enter__(self) -> "GracefulStop":
-        if self.sync_actors and threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
-            threading.Thread(target=self._forward, name="graceful-stop", daemon=True).start()
+    def __enter__(self) -> "RunStop":
+        self.reinstall()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._finished.set()
-        self.requested.set()  # releases the forwarding thread
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+
+    def reinstall(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
 
     def _handle(self, signum: int, frame) -> None:
-        if self.requested.is_set():  # a second signal: stop now
-            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name} received twice")
-        print(f"[driver] {signal.Signals(signum).name}: stopping at the end of the current outer step, with a "
-              f"checkpoint (waiting up to {self.timeout:.0f} s; signal again to stop at once)", flush=True)
+        name = signal.Signals(signum).name
+        if self.phase == "finishing":
+            print(f"[driver] {name}: training is over; finishing the evaluation, export and summary first",
+                  flush=True)
+            return
+        if self.requested.is_set():
+            if self.phase == "training" and not self.forced:
+                print(f"[driver] {name} again: aborting the regions still training now", flush=True)
+                self.forced = True
+            return
+        self.requested_at = time.monotonic()
         self.requested.set()
+        if self.phase == "starting":
+            print(f"[driver] {name}: stopping before training starts", flush=True)
+        else:
+            print(f"[driver] {name}: stopping at the end of the current outer step, with a checkpoint (waiting up "
+                  f"to {self.timeout:.0f} s; signal again to stop at once)", flush=True)
+        threading.Thread(target=self._forward, name="run-stop-forward", daemon=True).start()
+
+    def start_training(self, sync_actors: list[Any]) -> None:
+        """Training begins: from now on a stop goes to these SyncActors (at once if one came before)."""
+        self.raise_if_requested()
+        with self._lock:
+            self._sync_actors = [a for a in sync_actors if a is not None]
+            self.phase = "training"
+        if self.requested.is_set():
+            self._forward()
+
+    def finish(self) -> None:
+        """Training is over: signals no longer interrupt anything."""
+        self.phase = "finishing"
+
+    def raise_if_requested(self) -> None:
+        """At a start-up step: a stop asked for so far ends the run here."""
+        if self.phase == "starting" and self.requested.is_set():
+            raise RunStopped("stopped on request before training started: nothing was trained or checkpointed")
+
+    def deadline_passed(self) -> bool:
+        """While training: whether the regions still training must be aborted (a second signal, or no outer-step
+        boundary within the stop timeout)."""
+        if self.requested_at is None:
+            return False
+        return self.forced or time.monotonic() - self.requested_at > self.timeout
 
     def _forward(self) -> None:
-        self.requested.wait()
-        if self._finished.is_set():
-            return
-        for actor in self.sync_actors:
-            actor.request_stop.remote()
-        if not self._finished.wait(self.timeout):
-            logger.error("the regions did not reach an outer-step boundary within %.0f s: stopping now",
-                         self.timeout)
-            _thread.interrupt_main()
+        with self._lock:
+            actors = list(self._sync_actors)
+        for actor in actors:
+            try:
+                actor.request_stop.remote()
+            except Exception as error:  # a dead actor: its region is not training anyway
+                logger.warning("could not forward the stop to a SyncActor: %s", error)

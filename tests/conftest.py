@@ -1,6 +1,7 @@
 """Shared fixtures: one local Ray cluster per test module that needs it, and small run configs."""
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -76,3 +77,39 @@ def wait_for(predicate, timeout, what):
             pass
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process, from /proc (no psutil in the dependencies)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'.
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` now (children, their children, …)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child not yet reaped still has a /proc entry)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

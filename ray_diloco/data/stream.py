@@ -65,15 +65,26 @@ class PositionalReader:
         # Start the anchor's epoch and read past its consumed part (the epoch is the same sequence every time).
         self.epoch, self.epoch_batches = anchor["epoch"], 0
         self.next_index = anchor["batches"] - anchor["epoch_batches"]
-        self._iter = self._new_epoch()
+        self._start_epoch()
         for _ in range(anchor["epoch_batches"]):
             self._read()
+
+    def _start_epoch(self) -> None:
+        self.close()  # the abandoned epoch's reader stops its threads now, not whenever it is collected
+        self._iter = self._new_epoch()
+
+    def close(self) -> None:
+        """Stop reading: closes the epoch's iterator (a generator: its `finally` ends the dataset's reader)."""
+        close = getattr(self._iter, "close", None)
+        if close is not None:
+            close()
+        self._iter = None
 
     def _read(self) -> tuple[np.ndarray, int, int]:
         batch = next(self._iter, None)
         if batch is None and self.epoch_batches > 0:  # the epoch is used up: start the next one
             self.epoch, self.epoch_batches = self.epoch + 1, 0
-            self._iter = self._new_epoch()
+            self._start_epoch()
             batch = next(self._iter, None)
         if batch is None:  # a whole epoch without a batch: every later one is empty too
             raise self._no_batch_error()
@@ -93,11 +104,22 @@ class RegionStream:
         self.reader = PositionalReader(self._new_epoch, self._no_batch_error)
 
     def _new_epoch(self) -> Iterator[np.ndarray]:
-        batches = self.dataset.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=True)
-        return (batch[COLUMN] for batch in batches)
+        batches = iter(self.dataset.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=True))
+        try:
+            for batch in batches:
+                yield batch[COLUMN]
+        finally:  # closed mid-epoch (a rewind, the end of the run): Ray Data's executor and prefetch threads end
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
 
     def take(self, index: int, anchor: Anchor | None = None) -> tuple[np.ndarray, int, int]:
         return self.reader.take(index, anchor)
+
+    def close(self) -> None:
+        """The run is over: stop the dataset's reader. The driver calls this before `ray.kill`, so the process
+        never ends with Ray Data's executor and prefetch threads still reading."""
+        self.reader.close()
 
     def _no_batch_error(self) -> RuntimeError:
         # A bare StopIteration here used to surface only after Ray Train restarted the worker group.

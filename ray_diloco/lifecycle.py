@@ -1,0 +1,122 @@
+"""How the driver runs its regions' Ray Train groups, aborts them on a stop that timed out, and releases the
+run-scoped actors so that no process of a run outlives `run_training`.
+
+Each region's `TorchTrainer.fit()` blocks until its group ends, so each runs in a daemon thread of its own and
+the main thread polls: it can then act on a stop (`RunStop.deadline_passed`) while fits are still blocked,
+which a `ThreadPoolExecutor` cannot (its `with` block waits for every fit before anything else runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+
+from ray_diloco.stopping import RunStop
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.25
+# After the controllers are killed, how long a fit() may take to notice before its region is reported aborted.
+ABORT_GRACE_SECONDS = 20.0
+# How long each run-scoped actor gets to end by itself (close its reader, shut down Hivemind) before ray.kill.
+RELEASE_SECONDS = 15.0
+
+
+class RegionAborted(RuntimeError):
+    """A region's group was aborted by the driver: no outer-step boundary within run.stop_timeout_seconds."""
+
+
+def fit_in_background(fit, trainer: Any, actor: Any, name: str) -> Future:
+    """`fit(trainer, actor)` in a daemon thread (a driver that must stop never waits on it to exit)."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fit(trainer, actor))
+        except BaseException as error:  # fit catches training errors; anything else is reported here
+            future.set_exception(error)
+
+    threading.Thread(target=target, name=f"fit-{name}", daemon=True).start()
+    return future
+
+
+def wait_for_groups(futures: list[Future], names: list[str], stop: RunStop | None
+                    ) -> list[tuple[Any, BaseException | None]]:
+    """Every group's (result, error); on a stop whose deadline passed, the groups still training are aborted
+    (their Ray Train controllers killed) and reported as `RegionAborted`."""
+    while not all(f.done() for f in futures):
+        if stop is not None and stop.deadline_passed():
+            running = [name for name, f in zip(names, futures) if not f.done()]
+            why = "a second signal" if stop.forced else f"no outer-step boundary within {stop.timeout:.0f} s"
+            print(f"[driver] stop: {why}; aborting the training of {running}", flush=True)
+            abort_training_controllers()
+            deadline = time.monotonic() + ABORT_GRACE_SECONDS
+            while not all(f.done() for f in futures) and time.monotonic() < deadline:
+                time.sleep(POLL_SECONDS)
+            return [(None, RegionAborted(f"{name}: training aborted by the stop ({why})")) if name in running
+                    and (not f.done() or f.result()[1] is not None) else f.result() for name, f in zip(names, futures)]
+        time.sleep(POLL_SECONDS)
+    return [f.result() for f in futures]
+
+
+def abort_training_controllers() -> list[str]:
+    """Kill the Ray Train controllers of this driver's job that are alive. Ray Train V2 keeps no handle we could
+    call `abort` on, so they are found in the GCS actor table (`ray._private.state`, no dashboard needed) and
+    killed by id; each group's workers are owned by their controller and die with it. Relies on Ray 2.60's
+    private state API and `CoreWorker.kill_actor` (pinned: ray<2.61; tests/test_stop.py runs this path)."""
+    from ray._private import state
+
+    job = ray.get_runtime_context().get_job_id()
+    killed = []
+    for actor_id, info in state.actors().items():
+        if info.get("ActorClassName") == "TrainController" and info.get("JobID") == job \
+                and info.get("State") not in ("DEAD",):
+            try:
+                ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+                killed.append(actor_id)
+            except Exception as error:
+                logger.warning("could not kill Ray Train controller %s: %s", actor_id, error)
+    return killed
+
+
+def release(actor: Any, closing_method: str | None) -> None:
+    """End one run-scoped actor: its own `closing_method` first (bounded), so it stops its threads and child
+    processes itself, then `ray.kill` (no restart) whatever it did."""
+    if actor is None:
+        return
+    if closing_method is not None:
+        try:
+            ray.get(getattr(actor, closing_method).remote(), timeout=RELEASE_SECONDS)
+        except ray.exceptions.RayActorError:
+            pass  # it ended itself (`exit_actor`) or was already gone
+        except Exception as error:  # a hung actor must not hide the run's own outcome
+            logger.warning("%s of a run actor failed (%s); killing it", closing_method, type(error).__name__)
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as error:
+        logger.warning("ray.kill of a run actor failed: %s", error)
+
+
+def wait_until_dead(actors: list[Any], timeout: float = RELEASE_SECONDS) -> list[Any]:
+    """The actors still alive after `timeout` (an empty list once Ray reports every one dead)."""
+    pending = [a for a in actors if a is not None]
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        still = []
+        for actor in pending:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=1)
+                still.append(actor)  # answered: alive
+            except ray.exceptions.RayActorError:
+                pass  # dead
+            except ray.exceptions.GetTimeoutError:
+                still.append(actor)
+        pending = still
+        if pending:
+            time.sleep(POLL_SECONDS)
+    return pending

@@ -1,0 +1,168 @@
+"""The stop path, as `ray job stop` and Ctrl-C reach it: a signal to the driver process.
+
+- `RunStop` by phase: a stop during start-up ends the run before training; during training the first signal is
+  forwarded and the deadline counts from it, a second one forces; after training a signal changes nothing.
+- Stop settings that cannot hold are refused before Ray starts, naming the fields (and RAY_JOB_STOP_WAIT_TIME_S).
+- Real processes (`ray-diloco train` with a private Ray): a region that never reaches an outer-step boundary is
+  aborted once run.stop_timeout_seconds has passed: the driver ends within seconds of it, names what it stopped
+  and what was last checkpointed, writes `stopped: true` for the region that stopped cleanly, and leaves no
+  process behind. A SIGTERM during start-up ends the driver in one line, with nothing left running either.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+from conftest import alive, descendants
+from ray_diloco.cli import main
+from ray_diloco.config import ConfigError, ExperimentConfig
+from ray_diloco.stopping import RunStop, RunStopped
+from ray_diloco.worker import SLOW_REGION_ENV_VAR
+
+
+def test_a_stop_during_start_up_ends_the_run_before_training():
+    with RunStop(timeout=5) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs in the main thread between bytecodes
+        with pytest.raises(RunStopped, match="before training started"):
+            stop.raise_if_requested()
+        with pytest.raises(RunStopped):
+            stop.start_training([])
+
+
+def test_during_training_the_deadline_counts_from_the_first_signal_and_a_second_forces():
+    with RunStop(timeout=0.5) as stop:
+        stop.start_training([])
+        assert not stop.deadline_passed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert stop.requested.is_set() and not stop.deadline_passed()
+        time.sleep(0.6)
+        assert stop.deadline_passed() and not stop.forced
+    with RunStop(timeout=60) as stop:
+        stop.start_training([])
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert stop.forced and stop.deadline_passed()
+
+
+def test_after_training_a_signal_lets_the_driver_finish(capsys):
+    with RunStop(timeout=60) as stop:
+        stop.start_training([])
+        stop.finish()
+        os.kill(os.getpid(), signal.SIGTERM)  # would kill pytest were it not handled
+        time.sleep(0.1)
+        assert not stop.requested.is_set() and not stop.deadline_passed()
+    assert "finishing the evaluation, export and summary" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the previous handler is back
+
+
+def test_a_stop_timeout_shorter_than_one_rounds_waits_is_refused_naming_the_fields():
+    with pytest.raises(ConfigError, match=r"^run.stop_timeout_seconds: 100 s cannot hold .*outer.max_wait_seconds "
+                                          r"\+ outer.averaging_timeout = 420 s"):
+        ExperimentConfig.from_yaml("run: {stop_timeout_seconds: 100}")
+    for preset in ("tiny-cpu", "150m", "1b"):  # the defaults hold
+        assert main(["config", "--preset", preset]) == 0
+
+
+def test_a_job_stop_wait_shorter_than_the_stop_is_refused_before_ray_starts(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "360")
+    started = time.monotonic()
+    assert main(["train", "--run-name", "short-wait"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and time.monotonic() - started < 10
+    assert err.startswith("ray-diloco: error: RAY_JOB_STOP_WAIT_TIME_S=360 is shorter than "
+                          "run.stop_timeout_seconds (900) + 60 s"), err
+
+
+def _env(**extra):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+class Driver:
+    """`ray-diloco train` in a process of its own; its output is read as it comes."""
+
+    def __init__(self, argv, env):
+        self.process = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", *argv], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def wait_for_line(self, text, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return
+            assert self.process.poll() is None, "driver ended early:\n" + "".join(self.lines[-40:])
+            time.sleep(0.2)
+        raise AssertionError(f"no line with {text!r} within {timeout}s:\n" + "".join(self.lines[-40:]))
+
+    def stop(self):
+        """SIGTERM, as `ray job stop` sends; returns the processes the driver had started just before."""
+        started = descendants(self.process.pid)
+        self.process.send_signal(signal.SIGTERM)
+        return started
+
+    def output(self):
+        return "".join(self.lines)
+
+
+def assert_gone(pids, timeout=15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.5)
+    left = [p for p in pids if alive(p)]
+    assert not left, f"processes of the run still alive {timeout}s after the driver ended: {left}"
+
+
+def test_a_region_that_never_reaches_a_boundary_is_aborted_at_the_stop_timeout(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "outer": {"inner_steps": 3, "max_wait_seconds": 2, "matchmaking_seconds": 1, "averaging_timeout": 3},
+        "run": {"stop_timeout_seconds": 20, "outer_steps": 50, "checkpoint_every": 1},
+        "inner": {"warmup_steps": 2}}))
+    driver = Driver(["--config", str(config), "--regions", "2", "--run-name", "aborted", "--output-dir",
+                     str(tmp_path)], _env(**{SLOW_REGION_ENV_VAR: "region-b:600"}))  # b never gets past step 3
+    driver.wait_for_line("[region-a] outer step 1/50 synced", timeout=240)
+    started = driver.stop()
+    stopped_at = time.monotonic()
+    code = driver.process.wait(timeout=120)
+    took = time.monotonic() - stopped_at
+    out = driver.output()
+    assert code == 0, out[-3000:]
+    assert took < 20 + 40, f"the driver took {took:.0f}s after SIGTERM with a 20 s stop timeout"
+    assert "no outer-step boundary within 20 s; aborting the training of ['region-b']" in out, out[-3000:]
+    assert "Traceback" not in out.split("SIGTERM: stopping at the end")[-1], out[-3000:]
+    checkpoints = [line for line in out.splitlines() if "last committed checkpoints" in line]
+    assert checkpoints and "region-b: none" in checkpoints[-1] and "region-a: outer step" in checkpoints[-1]
+    summary = json.loads((tmp_path / "aborted" / "summary.json").read_text())
+    assert summary["stopped"] and [r["name"] for r in summary["regions"]] == ["region-a", "region-b"]
+    assert [e["region"] for e in summary["events"] if e["event"] == "region_aborted"] == ["region-b"]
+    assert (tmp_path / "aborted" / "model" / "config.json").is_file()  # the export finished
+    assert_gone(started)
+
+
+def test_a_sigterm_during_start_up_ends_the_driver_in_one_line_leaving_nothing(tmp_path):
+    driver = Driver(["--run-name", "early", "--output-dir", str(tmp_path)], _env())
+    driver.wait_for_line("[driver] started a private local Ray", timeout=120)
+    started = driver.stop()
+    code = driver.process.wait(timeout=60)
+    out = driver.output()
+    assert code == 0 and "Traceback" not in out, out[-3000:]
+    assert "[driver] stopped on request before training started" in out, out[-3000:]
+    assert not (tmp_path / "early" / "summary.json").exists()
+    assert_gone(started)
