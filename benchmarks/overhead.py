@@ -2,6 +2,8 @@
 
     python benchmarks/overhead.py                       # ~8 min on 2 CPU cores
     python benchmarks/overhead.py --regions 1,2 --inner-steps 20 --outer-steps 3
+    python benchmarks/overhead.py --step-log [--preset 150m]   # the per-step cost of reading the loss
+                                                               # (benchmarks/step_log_cost.py)
 
 For each entry R of `--regions` (default 1 and 2), in one invocation on the same machine:
 
@@ -141,6 +143,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--step-log" in argv:  # a measurement of its own (no Ray): what reading the loss costs per step
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from step_log_cost import main as step_log_main
+
+        return step_log_main(argv)
     args = build_parser().parse_args(argv)
     counts = [int(x) for x in args.regions.split(",") if x.strip()]
     if not counts or min(counts) < 1 or args.inner_steps < 1 or args.outer_steps < 1:

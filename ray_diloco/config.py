@@ -292,6 +292,10 @@ class RunConfig:
     rest of the window (up to H inner steps), the round's wait for the others (up to outer.max_wait_seconds) and
     its all-reduce (up to outer.averaging_timeout) must fit, so it may not be less than the last two together.
     Ray must wait longer still (RAY_JOB_STOP_WAIT_TIME_S ≥ this + 60 s for the export; checked at start)."""
+    log_every: int = 10
+    """Inner steps between two reads of the loss and step times (the status lines, loss curve and metrics of
+    those steps come together then): one collective and one host sync per this many steps, none per step, so
+    logging costs the GPU nothing. A window's last steps are always read before its exchange."""
     resize_check_seconds: float = 60.0
     """An elastic region (`workers: min..max`): how often Ray Train looks for room for more workers while the
     group trains. It then restarts the group, bigger, from the region's last completed outer step (θ_global and
@@ -323,6 +327,7 @@ class RunConfig:
         _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
         _require(self.stop_timeout_seconds > 0, "run.stop_timeout_seconds", "must be > 0")
         _require(self.resize_check_seconds > 0, "run.resize_check_seconds", "must be > 0")
+        _require(self.log_every >= 1, "run.log_every", f"must be >= 1, got {self.log_every}")
         _require(self.mode == "diloco" or not (self.checkpoint_every or self.resume), "run.checkpoint_every",
                  f"checkpoints and --resume are for DiLoCo runs; mode {self.mode!r} does not checkpoint")
 

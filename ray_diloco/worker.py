@@ -7,7 +7,6 @@ loads back its rows of θ_global. That keeps it a plain `zero_grad → forward �
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import statistics
@@ -22,16 +21,16 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ray_diloco import metrics
 from ray_diloco.batches import WorkerBatches, region_progress
 from ray_diloco.config import ExperimentConfig
-from ray_diloco.inner import build_inner_optimizer, reset_nonfinite_state
+from ray_diloco.inner import reset_nonfinite_state
+from ray_diloco.inner_step import InnerStep, local_shard, shard_model
 from ray_diloco.model import build_model
 from ray_diloco.sharding import from_wire, to_wire
+from ray_diloco.step_log import StepLog
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
 
@@ -52,21 +51,6 @@ def status(line: str) -> None:
     sys.stdout.flush()
 
 
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter this rank holds (the whole tensor when it is not sharded)."""
-    data = param.data
-    return data.to_local() if isinstance(data, DTensor) else data
-
-
-def shard_model(model: torch.nn.Module, device: torch.device, world_size: int) -> torch.nn.Module:
-    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head)."""
-    mesh = init_device_mesh(device.type, (world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 @torch.no_grad()
 def load_rows(model: torch.nn.Module, rows: Mapping[str, np.ndarray | torch.Tensor]) -> None:
     rows = from_wire(rows)
@@ -81,66 +65,10 @@ def shards_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return to_wire({name: local_shard(p).detach().float().cpu() for name, p in model.named_parameters()})
 
 
-def autocast_for(precision: str, device: torch.device):
-    """bf16 autocast on GPU by default, fp16 when asked, fp32 on CPU."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "fp32":
-        return contextlib.nullcontext(), None
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    return torch.autocast(device_type=device.type, dtype=dtype), scaler
-
-
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks must call it), fp32 on CPU."""
     return {name: (p.data.full_tensor() if isinstance(p.data, DTensor) else p.data).detach().float().cpu()
             for name, p in model.named_parameters()}
-
-
-class InnerStep:
-    """One inner optimizer step over `grad_accum` micro-batches: zero_grad → forward → backward → step."""
-
-    def __init__(self, model, cfg: ExperimentConfig, device: torch.device, start_step: int):
-        self.model, self.cfg, self.device = model, cfg, device
-        self.optimizer, self.scheduler = build_inner_optimizer(model.parameters(), cfg.inner, cfg.total_inner_steps)
-        self.align(start_step)
-        self.autocast, self.scaler = autocast_for(cfg.inner.precision, device)
-
-    def __call__(self, batches: WorkerBatches) -> tuple[torch.Tensor, int]:
-        """Returns the mean loss over the micro-batches (a tensor: no host sync) and the tokens trained."""
-        accum, scaler = self.cfg.inner.grad_accum, self.scaler
-        loss_sum, tokens = torch.zeros((), device=self.device), 0
-        for micro in range(accum):
-            input_ids = batches.next()
-            # Only the last micro-batch reduce-scatters gradients across the group's ranks.
-            self.model.set_requires_gradient_sync(micro == accum - 1)
-            with self.autocast:
-                loss = self.model(input_ids=input_ids, labels=input_ids).loss / accum
-            (scaler.scale(loss) if scaler else loss).backward()
-            loss_sum += loss.detach()
-            tokens += input_ids.numel()
-        if scaler:
-            scaler.unscale_(self.optimizer)
-        if self.cfg.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
-        if scaler:
-            scaler.step(self.optimizer)
-            scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, tokens
-
-    def align(self, step: int) -> None:
-        """Move the learning-rate schedule to inner step `step` of the run (resume, join, re-sync)."""
-        while self.scheduler.last_epoch < step:
-            self.scheduler.step()
-
-    @property
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
 
 def sync_status(region: str, reached: int, outer_steps: int, seconds: float, last_round: dict) -> str:
@@ -231,30 +159,39 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     flops_token = metrics.flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
     peak = metrics.peak_flops(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     loss_curve: list[tuple[int, float]] = []  # rank 0: (inner step, loss), for loss.png
+    step_log = StepLog(device, world_size, cfg.run.log_every)
+    last = None  # the newest flushed step
+
+    def flush_steps() -> None:
+        """Numbers for the steps since the last flush: metrics, rank 0's loss curve and status lines."""
+        nonlocal last
+        for record in step_log.flush():
+            last = record
+            step_rates.append(record.tokens / record.seconds)
+            metrics.safely(metrics.record_inner_step, cfg.run.name, region, rank, record.seconds, record.tokens,
+                           flops_token, peak, record.loss if rank == 0 else None, record.lr if rank == 0 else None)
+            if rank == 0:
+                loss_curve.append((record.step, record.loss))
+                status(f"[{region}] step {record.step}/{cfg.total_inner_steps}"
+                       f" | outer {(record.step - 1) // H + 1}/{cfg.run.outer_steps} | loss {record.loss:.4f}"
+                       f" | lr {record.lr:.2e} | {record.tokens / record.seconds:,.0f} tok/s/worker"
+                       f" | last sync {last_sync_seconds:.2f}s | peers {peers}")
+
     outer_step, stopped = start_outer, False
     while outer_step < cfg.run.outer_steps:
         tokens_this_round = 0
+        step_log.restart_clock()
         for inner in range(H):
-            started = time.perf_counter()
+            lr = inner_step.lr  # the rate this step uses (the scheduler moves on inside the step)
             loss, tokens = inner_step(batches)
             tokens_this_round += tokens
-            if world_size > 1:  # the group's mean loss, not rank 0's alone
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-            seconds = time.perf_counter() - started
-            step_rates.append(tokens / seconds)
-            loss_value = loss.item() if rank == 0 else None  # rank 0 prints it anyway: no extra sync
-            metrics.safely(metrics.record_inner_step, cfg.run.name, region, rank, seconds, tokens, flops_token,
-                           peak, loss_value, inner_step.lr if rank == 0 else None)
-            if rank == 0:
-                loss_curve.append((outer_step * H + inner + 1, loss_value))
-                status(f"[{region}] step {outer_step * H + inner + 1}/{cfg.total_inner_steps}"
-                       f" | outer {outer_step + 1}/{cfg.run.outer_steps} | loss {loss_value:.4f}"
-                       f" | lr {inner_step.lr:.2e} | {tokens / seconds:,.0f} tok/s/worker"
-                       f" | last sync {last_sync_seconds:.2f}s | peers {peers}")
+            if step_log.record(outer_step * H + inner + 1, loss, tokens, lr):
+                flush_steps()
+        flush_steps()  # the window's last steps, before the exchange (which waits for the device anyway)
         tokens_total += tokens_this_round
         if sync_actor is not None:
-            if rank == 0:  # fire-and-forget, once per round: the driver's live summary line shows it
-                sync_actor.note_inner.remote(loss_curve[-1][1], tokens / seconds, inner_step.lr)
+            if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
+                sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, inner_step.lr)
             time.sleep(test_slowdown(region))
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(

@@ -113,3 +113,27 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def run_process_ids(run_name: str, regions: list[str]) -> list[int]:
+    """The processes of a run's actors as they are now (found by the run's actor names, see
+    `driver.run_actor_name`) and everything they started (Hivemind's averager and DHT processes, p2pd)."""
+    names = [f"diloco-{kind}-{run_name}-{region}" for kind in ("sync", "stream") for region in regions]
+    pids = []
+    for name in [*names, f"diloco-data-{run_name}", f"diloco-eval-{run_name}"]:
+        try:
+            actor = ray.get_actor(name)
+        except ValueError:  # not started (the evaluator without eval_every) or already gone
+            continue
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        pids += [pid, *descendants(pid)]
+    return pids
+
+
+def assert_gone(pids: list[int], timeout: float = 15) -> None:
+    """None of `pids` is alive within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.5)
+    left = [p for p in pids if alive(p)]
+    assert not left, f"processes of the run still alive {timeout}s after it ended: {left}"

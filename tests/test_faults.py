@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from conftest import RunInThread, small_run, wait_for
+from conftest import RunInThread, assert_gone, run_process_ids, small_run, wait_for
 from ray_diloco.checkpoint import CheckpointStore, join
 from ray_diloco.cli import main
 from ray_diloco.config import RegionConfig
@@ -56,12 +56,14 @@ def test_one_of_three_regions_killed_the_others_finish_and_agree(local_ray, tmp_
     run = RunInThread(lambda: run_training(cfg))
     victim = wait_for(lambda: sync_actor(cfg, "r2"), 180, "r2's SyncActor")
     wait_for(lambda: ray.get(victim.outer_step.remote()) >= 1, 300, "r2's first outer step")
+    run_pids = run_process_ids(cfg.run.name, ["r0", "r1", "r2"])
     pids = ray.get(victim.worker_pids.remote())
     ray.kill(victim)  # the region vanishes: its SyncActor and its worker
     for pid in pids.values():
         os.kill(pid, signal.SIGKILL)
 
     summary = run.join(timeout=600)
+    assert_gone(run_pids)  # a run whose region failed leaves no process behind either
     assert [e["region"] for e in summary["events"] if e["event"] == "region_departed"] == ["r2"]
     for region in ("r0", "r1"):
         rounds = summary["rounds"][region]

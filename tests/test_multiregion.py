@@ -10,20 +10,25 @@ import dataclasses
 
 import ray
 
-from conftest import small_run
+from conftest import assert_gone, run_process_ids, small_run
 from ray_diloco.driver import run_training
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, weighted_average
 
 
 def run_recording(cfg):
-    recorded = {}
+    """The run's summary and each region's recorded rounds; also checks that no process of the run (its actors
+    and what they started) outlives `run_training` (a finished run)."""
+    recorded, pids = {}, []
 
     def grab(actors):
         for region, actor in zip(cfg.regions, actors):
             recorded[region.name] = ray.get(actor.recorded_rounds.remote())
+        pids.extend(run_process_ids(cfg.run.name, [r.name for r in cfg.regions]))
 
     summary = run_training(cfg, before_shutdown=grab)
+    assert len(pids) >= 4 * len(cfg.regions), pids  # SyncActor, its DHT and averager processes, p2pd; the stream
+    assert_gone(pids)
     return summary, recorded
 
 

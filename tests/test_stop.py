@@ -20,7 +20,7 @@ import time
 import pytest
 import yaml
 
-from conftest import alive, descendants
+from conftest import assert_gone, descendants
 from ray_diloco.cli import main
 from ray_diloco.config import ConfigError, ExperimentConfig
 from ray_diloco.stopping import RunStop, RunStopped
@@ -119,14 +119,6 @@ class Driver:
 
     def output(self):
         return "".join(self.lines)
-
-
-def assert_gone(pids, timeout=15):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.5)
-    left = [p for p in pids if alive(p)]
-    assert not left, f"processes of the run still alive {timeout}s after the driver ended: {left}"
 
 
 def test_a_region_that_never_reaches_a_boundary_is_aborted_at_the_stop_timeout(tmp_path):

@@ -1,0 +1,89 @@
+"""One inner step of a region's worker, and the FSDP2 sharding it trains: plain PyTorch, no Ray, so the GPU
+benchmarks (`benchmarks/overhead.py --step-log`) run it on a machine with torch alone."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ray_diloco.config import ExperimentConfig
+from ray_diloco.inner import build_inner_optimizer
+
+if TYPE_CHECKING:  # batches.py needs Ray; this module must not
+    from ray_diloco.batches import WorkerBatches
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this rank holds (the whole tensor when it is not sharded)."""
+    data = param.data
+    return data.to_local() if isinstance(data, DTensor) else data
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, world_size: int) -> torch.nn.Module:
+    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head)."""
+    mesh = init_device_mesh(device.type, (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def autocast_for(precision: str, device: torch.device):
+    """bf16 autocast on GPU by default, fp16 when asked, fp32 on CPU."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "fp32":
+        return contextlib.nullcontext(), None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    return torch.autocast(device_type=device.type, dtype=dtype), scaler
+
+
+class InnerStep:
+    """One inner optimizer step over `grad_accum` micro-batches: zero_grad → forward → backward → step."""
+
+    def __init__(self, model, cfg: ExperimentConfig, device: torch.device, start_step: int):
+        self.model, self.cfg, self.device = model, cfg, device
+        self.optimizer, self.scheduler = build_inner_optimizer(model.parameters(), cfg.inner, cfg.total_inner_steps)
+        self.align(start_step)
+        self.autocast, self.scaler = autocast_for(cfg.inner.precision, device)
+
+    def __call__(self, batches: "WorkerBatches") -> tuple[torch.Tensor, int]:
+        """Returns the mean loss over the micro-batches (a tensor: no host sync) and the tokens trained."""
+        accum, scaler = self.cfg.inner.grad_accum, self.scaler
+        loss_sum, tokens = torch.zeros((), device=self.device), 0
+        for micro in range(accum):
+            input_ids = batches.next()
+            # Only the last micro-batch reduce-scatters gradients across the group's ranks.
+            self.model.set_requires_gradient_sync(micro == accum - 1)
+            with self.autocast:
+                loss = self.model(input_ids=input_ids, labels=input_ids).loss / accum
+            (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += loss.detach()
+            tokens += input_ids.numel()
+        if scaler:
+            scaler.unscale_(self.optimizer)
+        if self.cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        if scaler:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, tokens
+
+    def align(self, step: int) -> None:
+        """Move the learning-rate schedule to inner step `step` of the run (resume, join, re-sync)."""
+        while self.scheduler.last_epoch < step:
+            self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
