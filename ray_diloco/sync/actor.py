@@ -235,8 +235,9 @@ class SyncActorImpl(Membership):
                 "worker_checkpoint": worker_checkpoint}
 
     def _await_bound(self) -> float:
-        """The longest any call waits on a round: its other ranks arrive within seconds; the rendezvous and the
-        settling after the last round each by max_wait; the round by the averaging timeout (plus a download)."""
+        """How long `resume_state` waits for the round being applied: its other ranks arrive within seconds; the
+        rendezvous and the settling after the last round each by max_wait; the round by the averaging timeout
+        (plus a download). `exchange` waits twice this for its round (the round in flight ends first)."""
         outer = self.config.outer
         return 2 * outer.max_wait_seconds + 3 * outer.averaging_timeout + 60.0
 

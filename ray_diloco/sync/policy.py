@@ -14,8 +14,9 @@ Rendezvous (why readiness records). Hivemind's matchmaking forms a group from th
 window; a region steadily slower than that window went alone every round and the other leapfrogged it for the
 rest of the run. A longer window would make every round wait its full length whenever a region is gone. So a
 region that is ready says so in its record, and `plan_round` waits for exactly the live regions that are not
-ready yet, up to `max_wait_seconds` after its own workers came in, then asks Hivemind for a group of the ready
-ones, which fills at once. Skew up to `max_wait_seconds` costs only the skew; a dead region costs at most its
+ready yet, up to `max_wait_seconds` after the earliest ready region's workers came in (its own, or an earlier
+`ready_since` among the records: every ready region reads the same records and so runs at the same moment with
+the same group), then asks Hivemind for a group of the ready ones, which fills at once. Skew up to `max_wait_seconds` costs only the skew; a dead region costs at most its
 record's lifetime; nothing waits without a bound. (An adaptive deadline from observed lags was the other
 option: it needs history, still guesses, and a region that joins or slows down breaks its estimate.)
 """
@@ -100,7 +101,8 @@ def plan_round(own: StateRecord, records: list[StateRecord] | None, *, target: i
     """What a region whose workers' shards are all in (since `arrived`) does next.
 
     records: the live records (ours among them or not), None if the DHT did not answer; then the region waits
-    for it until the deadline and averages with `fallback_expected` (the last group it knew) after that.
+    for it until `arrived + max_wait` and averages with `fallback_expected` regions after that (the SyncActor
+    passes 1: with the DHT unreadable nobody could have seen it ready, so it goes alone).
     """
     if own.outer_step >= target:  # first: even with the DHT unreadable, never a round past the last step
         return Finish()
