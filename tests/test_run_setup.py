@@ -110,7 +110,7 @@ def test_resources_that_do_not_fit_are_one_line_naming_the_fix():
 
 
 def test_the_exported_state_is_the_canonical_one_not_the_first_regions():
-    from ray_diloco.driver import canonical_index
+    from ray_diloco.outcome import canonical_index
 
     def stats(region, step, digest, group, phase="training"):
         return {"region": region, "outer_step": step, "digest": digest,
