@@ -70,6 +70,10 @@ async def _connect(dht, node, maddrs: list[str]) -> bool:
     if peer_id == node.peer_id:
         return True
     try:
+        # Private: hivemind 1.1's public API dials peers only at start (`initial_peers` of DHT/P2P.create); a
+        # running node has no public way to reach a new address (P2P offers list_peers, wait_for_at_least_n_peers,
+        # get_visible_maddrs). So we use the daemon client's CONNECT, as hivemind itself does in
+        # P2P.is_identity_taken. What we rely on is pinned by tests/test_peers.py (hivemind is bounded <1.2).
         await node.p2p._client.connect(peer_id, [a.decapsulate(Multiaddr(f"/p2p/{a['p2p']}")) for a in addresses])
     except Exception:  # noqa: BLE001 — nobody there (an old file, a peer that left): the caller logs it
         return False
