@@ -280,8 +280,11 @@ class RunConfig:
     has committed checkpoints for every region continues from them too, as Ray Train does."""
     max_failures: int = 1
     """Restarts of a region's group after a worker dies (Ray Train FailureConfig); it resumes from θ_global."""
-    eval_every: int = 0
-    """Evaluate the global model on the held-out set every this many outer steps (0: only at start and end)."""
+    eval_every: int | None = None
+    """Evaluate θ_global on the held-out set every this many outer steps, while training goes on (an evaluator
+    actor); 0: only at start and end. None (default): the smallest interval whose forward passes cost at most
+    `EVAL_COMPUTE_SHARE` (5 %) of the training compute between them (`run_setup.resolve_eval_every`, said at
+    start); where even one mid-run evaluation would cost more, only the end's. The end's is always exported too."""
     local_regions: list[str] = field(default_factory=list)
     """DiLoCo mode: the regions this driver runs in its Ray cluster (empty: all). The config lists every region of
     the run; each Ray cluster runs its own (`--local-regions eu`), and the data split, the regions the protocol
@@ -324,7 +327,8 @@ class RunConfig:
         _require(self.outer_steps >= 1, "run.outer_steps", f"must be >= 1, got {self.outer_steps}")
         _require(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0 (0 disables checkpoints)")
         _require(self.max_failures >= 0, "run.max_failures", f"must be >= 0, got {self.max_failures}")
-        _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.eval_every is None or self.eval_every >= 0, "run.eval_every",
+                 f"must be >= 0 (or null: chosen for a bounded cost), got {self.eval_every}")
         _require(self.stop_timeout_seconds > 0, "run.stop_timeout_seconds", "must be > 0")
         _require(self.resize_check_seconds > 0, "run.resize_check_seconds", "must be > 0")
         _require(self.log_every >= 1, "run.log_every", f"must be >= 1, got {self.log_every}")

@@ -265,6 +265,8 @@ def finish_run(cfg: ExperimentConfig, groups: list[RegionConfig], prepared: Prep
     """The final evaluation of the exported θ_global, the model directory, summary.json and loss.png."""
     out_dir = prepared.out_dir
     eval_loss, eval_ppl = evaluate_state(cfg, model, outcome.final_state, windows)
+    # The dashboards' held-out panels get the end's evaluation too (a run with no mid-run one had none).
+    metrics.safely(metrics.record_eval, cfg.run.name, outcome.final_outer_step(), eval_loss, eval_ppl)
     save_model(model, outcome.final_state, out_dir / "model", prepared.tokenizer)
     summary = build_summary(cfg, groups, outcome, eval_start, eval_loss, eval_ppl, wall, num_params)
     summary_file = out_dir / f"summary{prepared.suffix}.json"

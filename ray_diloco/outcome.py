@@ -30,6 +30,24 @@ class TrainingOutcome:
     curve: list[dict]
     data_counts: dict[str, int]
 
+    def final_outer_step(self) -> int:
+        """The outer step the exported θ_global is at (the furthest a finished group got)."""
+        return max((w.get("outer_step", 0) for w in self.worker_results), default=0)
+
+
+def eval_curve(cfg: ExperimentConfig, outcome: TrainingOutcome, eval_start: float, eval_loss: float,
+               eval_ppl: float) -> list[dict]:
+    """Held-out loss against tokens per worker: the start, the evaluator's points, and the end's evaluation where
+    the evaluator did not already evaluate that outer step."""
+    curve = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *outcome.curve]
+    final = outcome.final_outer_step()
+    if curve[-1]["outer_step"] != final:
+        data = cfg.data
+        tokens = final * cfg.outer.inner_steps * data.batch_size * data.seq_len * cfg.inner.grad_accum
+        curve.append({"outer_step": final, "tokens_per_worker": tokens, "eval_loss": eval_loss,
+                      "eval_perplexity": eval_ppl})
+    return curve
+
 
 def canonical_index(stats: list[dict]) -> int:
     """Which finished region's θ_global the run exports: the state every region ends with by the protocol's rule
@@ -103,7 +121,7 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
         "global_digest": {s["region"]: s["digest"] for s in stats},
         "rounds": {s["region"]: s["rounds"] for s in stats},
         "events": sorted((e for s in stats for e in s.get("events", [])), key=lambda e: e["time"]),
-        "eval_curve": [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *outcome.curve],
+        "eval_curve": eval_curve(cfg, outcome, eval_start, eval_loss, eval_ppl),
         "parameters": num_params,
         # What each group trained on: equal for two runs that saw the same windows (see batches.py).
         "data_fingerprint": {groups[i].name: w["data"] for i, w in zip(outcome.finished, workers)},

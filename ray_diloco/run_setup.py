@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -187,6 +188,27 @@ def resolve_vocab(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
+# The held-out evaluation during a run costs at most this share of its training compute (run.eval_every: None).
+EVAL_COMPUTE_SHARE = 0.05
+
+
+def resolve_eval_every(cfg: ExperimentConfig, groups: list[RegionConfig]) -> ExperimentConfig:
+    """run.eval_every None -> an interval K: one evaluation is a forward pass (≈ 2N FLOPs a token) over
+    data.eval_windows windows; K outer steps of training are 6N FLOPs a token over H × batch × grad_accum windows
+    per worker, for this cluster's workers (the evaluator shares their nodes). K is the smallest interval with
+    evaluation ≤ EVAL_COMPUTE_SHARE of training; 0 (the end's only) when K exceeds the run."""
+    if cfg.run.eval_every is not None:
+        return cfg
+    workers = sum(g.min_workers for g in groups)
+    windows_trained = cfg.outer.inner_steps * cfg.data.batch_size * cfg.inner.grad_accum * workers
+    every = math.ceil(cfg.data.eval_windows / (3 * EVAL_COMPUTE_SHARE * windows_trained))
+    every = every if every <= cfg.run.outer_steps else 0
+    said = f"every {every} outer step(s)" if every else "at the end only (one mid-run evaluation would cost more)"
+    print(f"[driver] held-out evaluation {said}: run.eval_every chosen for <= {EVAL_COMPUTE_SHARE:.0%} of the "
+          "training compute (set it to override; 0: start and end only)", flush=True)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, eval_every=every))
+
+
 @dataclass
 class PreparedRun:
     cfg: ExperimentConfig
@@ -216,7 +238,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
         tokenizer = load_tokenizer(cfg.data.tokenizer)
     except (OSError, ValueError) as error:
         raise ConfigError(f"data.tokenizer: {str(error).splitlines()[0]}") from None
-    cfg = resolve_vocab(cfg, tokenizer)
+    cfg = resolve_eval_every(resolve_vocab(cfg, tokenizer), groups)
     if cfg.run.init_from:
         check_init_from(cfg)
     out_dir = Path(cfg.run.output_dir) / cfg.run.name

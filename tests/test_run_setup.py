@@ -145,3 +145,20 @@ def test_unwritable_outputs_and_a_mismatched_init_from_are_refused_before_ray(tm
     with pytest.raises(ConfigError, match="^--init-from: .*saved hidden_size=64 but the config asks 128"):
         prepare_run(cfg, training_groups(cfg))
     assert not (tmp_path / "r").exists()
+
+
+def test_eval_every_by_default_bounds_the_evaluations_share_of_compute(capsys):
+    """None -> the smallest K with eval_windows / (3 · H · batch · grad_accum · workers · K) <= 5 %."""
+    from ray_diloco.cli import build_parser, resolve_config
+    from ray_diloco.run_setup import resolve_eval_every, training_groups
+
+    def resolved(*argv):
+        cfg = resolve_config(build_parser().parse_args(["train", *argv]))
+        return resolve_eval_every(cfg, training_groups(cfg)).run.eval_every
+
+    assert resolved() == 2  # tiny-cpu, 2 regions x 1 worker: 64 / (0.15 * 15 * 8 * 2) = 1.78
+    assert "held-out evaluation every 2 outer step(s)" in capsys.readouterr().out
+    assert resolved("--preset", "150m") == 1  # 256 / (0.15 * 500 * 16 * 16) = 0.013
+    assert resolved("--inner-steps", "4", "--outer-steps", "3") == 0  # K = 7 > T: the end's only
+    assert "at the end only" in capsys.readouterr().out
+    assert resolved("--eval-every", "5") == 5 and resolved("--eval-every", "0") == 0  # given: kept
