@@ -204,6 +204,25 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
     return replace(cfg, regions=regions, outer=outer, data=data, run=run)
 
 
+def train(cfg: ExperimentConfig, address: str | None) -> int:
+    """`ray-diloco train`: SIGTERM and SIGINT are handled from here on (`RunStop`), the checks included."""
+    from ray_diloco.stopping import RunStop, RunStopped
+
+    try:
+        with RunStop(cfg.run.stop_timeout_seconds) as stop:
+            from ray_diloco.run_setup import prepare_run, training_groups
+
+            # Every input is checked before Ray, torch and the driver are even imported: a bad flag costs seconds.
+            prepared = prepare_run(cfg, training_groups(cfg))
+            from ray_diloco.driver import run_training
+
+            summary = run_training(cfg, address=address, prepared=prepared, stop=stop)
+    except RunStopped as stopped:  # asked for: one line, no traceback
+        print(f"[driver] {stopped}", flush=True)
+        return 0
+    return 0 if summary["eval_loss"] == summary["eval_loss"] else 1  # NaN loss fails the command
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -222,20 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(cfg.to_yaml(), end="")
             return 0
-        from ray_diloco.run_setup import prepare_run, training_groups
-
-        # Every input is checked before Ray, torch and the driver are even imported: a bad flag costs seconds.
-        prepared = prepare_run(cfg, training_groups(cfg))
-        from ray_diloco.driver import run_training
-
-        from ray_diloco.stopping import RunStopped
-
-        try:
-            summary = run_training(cfg, address=args.address, prepared=prepared)
-        except RunStopped as stopped:  # asked for: one line, no traceback
-            print(f"[driver] {stopped}", flush=True)
-            return 0
-        return 0 if summary["eval_loss"] == summary["eval_loss"] else 1  # NaN loss fails the command
+        return train(cfg, args.address)
     except ConfigError as error:
         if getattr(args, "debug", False):
             raise

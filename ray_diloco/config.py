@@ -294,7 +294,7 @@ class RunConfig:
     finish its round and checkpoint it, then aborts the regions still training. A stop lands mid-window: the
     rest of the window (up to H inner steps), the round's wait for the others (up to outer.max_wait_seconds) and
     its all-reduce (up to outer.averaging_timeout) must fit, so it may not be less than the last two together.
-    Ray must wait longer still (RAY_JOB_STOP_WAIT_TIME_S ≥ this + 60 s for the export; checked at start)."""
+    Ray must wait longer still (RAY_JOB_STOP_WAIT_TIME_S ≥ this + 120 s for the export; checked at start)."""
     log_every: int = 10
     """Inner steps between two reads of the loss and step times (the status lines, loss curve and metrics of
     those steps come together then): one collective and one host sync per this many steps, none per step, so
@@ -357,12 +357,15 @@ class ExperimentConfig:
                  "name each region once")
         _require(self.run.mode == "diloco" or not self.run.local_regions, "run.local_regions",
                  "only DiLoCo runs span Ray clusters; ddp and single run in one")
-        round_bound = self.outer.max_wait_seconds + self.outer.averaging_timeout
+        # With outer.overlap a stop first ends the round in flight, then runs the stop's own: two rounds.
+        rounds = 2 if self.outer.overlap else 1
+        round_bound = rounds * (self.outer.max_wait_seconds + self.outer.averaging_timeout)
         _require(self.run.mode != "diloco" or self.run.stop_timeout_seconds >= round_bound,
                  "run.stop_timeout_seconds",
-                 f"{self.run.stop_timeout_seconds:g} s cannot hold one round's wait and all-reduce "
-                 f"(outer.max_wait_seconds + outer.averaging_timeout = {round_bound:g} s), before the rest of a "
-                 "window: raise it, or lower those two")
+                 f"{self.run.stop_timeout_seconds:g} s cannot hold {'two rounds' if rounds == 2 else 'one round'}'s "
+                 f"wait and all-reduce ({'2 x ' if rounds == 2 else ''}(outer.max_wait_seconds + "
+                 f"outer.averaging_timeout) = {round_bound:g} s), before the rest of a window: raise it, or lower "
+                 "those two")
 
     def check_elastic(self) -> None:
         """Worker ranges only where one region runs in this Ray cluster (checked once the flags are applied: the

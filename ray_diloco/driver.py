@@ -6,6 +6,7 @@ It runs wherever `ray job submit` or `ray-diloco train` starts it; the work itse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from ray_diloco.outcome import TrainingOutcome, baseline_outcome, build_summary,
 from ray_diloco.plots import write_loss_png
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
 from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
-from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release, wait_for_groups,
+from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release_all, wait_for_groups,
                                    wait_until_dead)
 from ray_diloco.stopping import RunStop, RunStopped
 from ray_diloco.sync.actor import SyncActor
@@ -43,10 +44,14 @@ from ray_diloco.worker import region_train_loop
 logger = logging.getLogger(__name__)
 
 REGION_LABEL = "ray.io/availability-region"
+# How long the driver waits for what its actors report at the end (stats, θ_global, the evaluation curve): an
+# answer queued behind a slow evaluation must not hold a stopped driver past Ray's stop wait.
+RESULT_SECONDS = 120.0
 API_SERVER_ENV_VAR = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 
 
-def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionConfig]) -> None:
+def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionConfig],
+                after_init: Callable[[], None] = lambda: None) -> None:
     """Attach to the cluster named by --address or RAY_ADDRESS (`ray job submit` sets it), else start a
     private local Ray sized for the run: never the `ray start` cluster of this machine by surprise
     (`ray.init()` would attach to it, and refuses `num_cpus` then)."""
@@ -64,6 +69,7 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
         check_fits(run_needs(cfg, groups), {"CPU": cpus, "GPU": torch.cuda.device_count()}, None)
         context = start_private_ray(cpus, **quiet)
         what = "started a private local Ray (--address auto runs on a cluster `ray start` runs here)"
+    after_init()  # ray.init installed its own SIGTERM handler: the caller's goes back at once
     dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     print(f"[driver] {what}{dashboard}", flush=True)
 
@@ -221,25 +227,25 @@ def evaluate_state(cfg: ExperimentConfig, model, state: dict | None, windows) ->
 
 def run_training(cfg: ExperimentConfig, address: str | None = None,
                  before_shutdown: Callable[[list[Any]], None] | None = None,
-                 prepared: PreparedRun | None = None) -> dict[str, Any]:
+                 prepared: PreparedRun | None = None, stop: RunStop | None = None) -> dict[str, Any]:
     """Train `cfg` in its mode (diloco, ddp or single); returns (and writes) the summary.
 
     Every input is checked before Ray starts (`prepared`: the CLI checks before importing this module), and
     the cluster's resources before any actor starts. `before_shutdown(actors)` sees the SyncActors after
     training (tests read recorded rounds there; passing it makes the actors record every round's θ_region).
-    SIGTERM and SIGINT are handled from the first line to the last (`RunStop`): a stop before training raises
-    `RunStopped`; one during training ends it at an outer-step boundary; one after training lets it finish."""
+    SIGTERM and SIGINT are handled from the first line to the last (`RunStop`; the CLI passes the one it installed
+    before its own checks): a stop before training raises `RunStopped`; one during training ends it at an
+    outer-step boundary; one after training lets it finish."""
     started = time.perf_counter()
-    with RunStop(cfg.run.stop_timeout_seconds) as stop:
+    with (contextlib.nullcontext(stop) if stop is not None else RunStop()) as stop:
+        stop.timeout = cfg.run.stop_timeout_seconds
         groups = training_groups(cfg)
         prepared = prepared or prepare_run(cfg, groups)
         cfg, out_dir = prepared.cfg, prepared.out_dir
         try:
-            connect_ray(address, cfg, groups)
+            connect_ray(address, cfg, groups, after_init=stop.reinstall)
         except SystemExit as exit_:  # ray.init's own SIGTERM handler, before ours is back in place
-            raise RunStopped("stopped on request while Ray was starting: nothing was trained") from exit_
-        stop.reinstall()  # ray.init replaced our handlers with its own
-        stop.raise_if_requested()
+            raise RunStopped("stopped on request before training started: Ray was starting") from exit_
         check_cluster(cfg, groups)
         check_elastic_region(cfg, groups)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -321,12 +327,8 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
             live.stop()
         # Each ends itself first (Hivemind's processes, Ray Data's reader threads), then is killed, then waited
         # for: a run leaves no process behind (a RegionStream once outlived its run by minutes).
-        for actor in actors:
-            release(actor, "shutdown")
-        for stream in streams:
-            release(stream, "close")
-        for helper in (evaluator, counters):
-            release(helper, None)
+        release_all([(a, "shutdown") for a in actors] + [(s, "close") for s in streams]
+                    + [(evaluator, None), (counters, None)])
         left = wait_until_dead([*actors, *streams, evaluator, counters])
         if left:
             logger.warning("%d actor(s) of run %s still alive %.0f s after the run", len(left), cfg.run.name,
@@ -363,16 +365,16 @@ def collect_outcome(cfg: ExperimentConfig, groups: list[RegionConfig], actors: l
         print(f"[driver] stop: {last_checkpoints(cfg, groups)}", flush=True)
     worker_results = [outcomes[i][0].return_value for i in finished]
     if cfg.run.mode == "diloco":
-        stats = ray.get([actors[i].stats.remote() for i in finished])
+        stats = ray.get([actors[i].stats.remote() for i in finished], timeout=RESULT_SECONDS)
         stats[0].setdefault("events", []).extend(departures)
         exported = canonical_index(stats)  # not simply the first region: the state every region would adopt
-        final_state = ray.get(actors[finished[exported]].global_state.remote())
+        final_state = ray.get(actors[finished[exported]].global_state.remote(), timeout=RESULT_SECONDS)
         if before_shutdown is not None:
             before_shutdown(actors)
     else:
         final_state, stats = baseline_outcome(cfg, groups[0], worker_results[0], num_params)
-    curve = ray.get(evaluator.get_curve.remote()) if evaluator else []
-    data_counts = ray.get(counters.get.remote())
+    curve = ray.get(evaluator.get_curve.remote(), timeout=RESULT_SECONDS) if evaluator else []
+    data_counts = ray.get(counters.get.remote(), timeout=RESULT_SECONDS)
     metrics.safely(metrics.record_skipped_records, cfg.run.name, data_counts["skipped"])
     return TrainingOutcome(stats, worker_results, finished, final_state, curve, data_counts)
 

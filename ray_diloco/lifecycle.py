@@ -84,22 +84,34 @@ def abort_training_controllers() -> list[str]:
     return killed
 
 
-def release(actor: Any, closing_method: str | None) -> None:
-    """End one run-scoped actor: its own `closing_method` first (bounded), so it stops its threads and child
-    processes itself, then `ray.kill` (no restart) whatever it did."""
-    if actor is None:
-        return
-    if closing_method is not None:
-        try:
-            ray.get(getattr(actor, closing_method).remote(), timeout=RELEASE_SECONDS)
-        except ray.exceptions.RayActorError:
-            pass  # it ended itself (`exit_actor`) or was already gone
-        except Exception as error:  # a hung actor must not hide the run's own outcome
-            logger.warning("%s of a run actor failed (%s); killing it", closing_method, type(error).__name__)
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception as error:
-        logger.warning("ray.kill of a run actor failed: %s", error)
+def release_all(actors: list[tuple[Any, str | None]]) -> None:
+    """End the run-scoped actors: each one's closing method first (it stops its own threads and child processes:
+    Hivemind's, Ray Data's reader), all at once under one bound, then `ray.kill` (no restart) every one. Ray kills
+    a killed worker's whole process group, so what a hung actor started goes with it."""
+    calls = {}
+    for actor, method in actors:
+        if actor is not None and method is not None:
+            try:
+                calls[getattr(actor, method).remote()] = method
+            except Exception as error:  # a dead actor: nothing to close
+                logger.warning("%s of a run actor could not be called: %s", method, error)
+    if calls:
+        done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=RELEASE_SECONDS)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # already gone
+            except Exception as error:  # its own failure must not hide the run's outcome
+                logger.warning("%s of a run actor failed: %s", calls[ref], type(error).__name__)
+        if pending:
+            logger.warning("%d run actor(s) did not close within %.0f s; killing them", len(pending), RELEASE_SECONDS)
+    for actor, _ in actors:
+        if actor is not None:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as error:
+                logger.warning("ray.kill of a run actor failed: %s", error)
 
 
 def wait_until_dead(actors: list[Any], timeout: float = RELEASE_SECONDS) -> list[Any]:

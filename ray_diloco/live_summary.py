@@ -28,9 +28,9 @@ def summary_line(step: int, total: int, rounds: dict[str, dict], held_out: dict 
         if "loss" in r:
             text += f" loss {r['loss']:.4f}, {r.get('tokens_per_second', 0):,.0f} tok/s,"
         text += f" {r.get('group_size', 0)} region(s), {r.get('seconds', 0):.2f}s"
-        if "all_reduce_seconds" in r:
-            text += (f" (shards {r['wait_seconds']:.2f} / all-reduce {r['all_reduce_seconds']:.2f}"
-                     f" / apply {r['apply_seconds']:.2f})")
+        if "wait_for_peers_seconds" in r:
+            text += (f" (shards {r['wait_seconds']:.2f} / peers {r['wait_for_peers_seconds']:.2f}"
+                     f" / all-reduce {r['transfer_seconds']:.2f} / apply {r['apply_seconds']:.2f})")
         text += f", {r.get('bytes_sent', 0) / 1e6:.1f} MB out"
         parts.append(text)
     return " | ".join(parts)

@@ -48,8 +48,16 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # SyncActors.
     "outer_step": ("gauge", "Outer steps the region's SyncActor has applied", _REGION),
     "outer_round_seconds": ("gauge", "Seconds of the last outer round by phase: wait_for_shards (first to last "
-                            "rank in), all_reduce (re-sync and the Hivemind average), apply (delta, outer step, "
-                            "publish)", _REGION + ("phase",)),
+                            "rank in), wait_for_peers (rendezvous with the other regions, re-sync, matchmaking), "
+                            "all_reduce (the Hivemind transfer and decode), apply (delta, outer step, publish)",
+                            _REGION + ("phase",)),
+    "round_duration_seconds": ("histogram", "Seconds of each outer round, first rank in to applied (every round "
+                               "counted, however short)", _REGION),
+    "region_workers": ("gauge", "Workers in the region's training group now (an elastic region resizes)", _REGION),
+    "connected_peers": ("gauge", "Hivemind peers this region's node is connected to (sampled each round)", _REGION),
+    "checkpoint_seconds": ("gauge", "Seconds the region's last checkpoint took (workers' upload and the commit)",
+                           _REGION),
+    "last_checkpoint_step": ("gauge", "Outer step of the region's last committed checkpoint", _REGION),
     "bytes_sent": ("counter", "Bytes this region sent to other regions (Hivemind wire)", _REGION),
     "bytes_received": ("counter", "Bytes this region received from other regions (Hivemind wire)", _REGION),
     "round_regions": ("gauge", "Regions in this region's last outer round", _REGION),
@@ -63,13 +71,21 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
-def exported_name(name: str) -> str:
-    """The name Prometheus sees for metric `name` (without prefix): Ray adds `ray_`, counters `_total`."""
-    kind = DEFINITIONS[name][0]
-    return f"ray_{PREFIX}{name}" + ("_total" if kind == "counter" else "")
+# Bucket bounds of the round-time histogram: a loopback round takes about a second, a WAN round of a large model
+# minutes (ray.util.metrics needs them fixed up front).
+ROUND_SECONDS_BOUNDARIES = [0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800]
 
 
-EXPORTED_NAMES = {exported_name(name) for name in DEFINITIONS}
+def exported_names(name: str) -> list[str]:
+    """The names Prometheus sees for metric `name` (without prefix): Ray adds `ray_`, counters `_total`,
+    histograms `_bucket`, `_sum` and `_count`."""
+    kind, base = DEFINITIONS[name][0], f"ray_{PREFIX}{name}"
+    if kind == "histogram":
+        return [f"{base}_bucket", f"{base}_sum", f"{base}_count"]
+    return [base + ("_total" if kind == "counter" else "")]
+
+
+EXPORTED_NAMES = {exported for name in DEFINITIONS for exported in exported_names(name)}
 
 _metrics: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -85,8 +101,13 @@ def _metric(name: str):
             metric = _metrics.get(name)
             if metric is None:
                 kind, description, tag_keys = DEFINITIONS[name]
-                cls = metrics.Counter if kind == "counter" else metrics.Gauge
-                metric = _metrics[name] = cls(PREFIX + name, description=description, tag_keys=tag_keys)
+                if kind == "histogram":
+                    metric = metrics.Histogram(PREFIX + name, description=description, tag_keys=tag_keys,
+                                               boundaries=ROUND_SECONDS_BOUNDARIES)
+                else:
+                    cls = metrics.Counter if kind == "counter" else metrics.Gauge
+                    metric = cls(PREFIX + name, description=description, tag_keys=tag_keys)
+                _metrics[name] = metric
     return metric
 
 
@@ -139,16 +160,34 @@ def record_compute_utilization(run: str, region: str, rank: int, utilization: fl
     _set("compute_utilization", utilization, run=run, region=region, rank=rank)
 
 
-def record_round(run: str, region: str, outer_step: int, group_size: int, wait_seconds: float,
-                 reduce_seconds: float, apply_seconds: float, bytes_sent: int, bytes_received: int) -> None:
-    """One outer round of a region's SyncActor (`outer_step`: the step reached)."""
+ROUND_PHASES = ("wait_for_shards", "wait_for_peers", "all_reduce", "apply")
+
+
+def record_round(run: str, region: str, outer_step: int, group_size: int, phases: dict[str, float],
+                 bytes_sent: int, bytes_received: int, connected_peers: int | None = None) -> None:
+    """One outer round of a region's SyncActor (`outer_step`: the step reached; `phases`: seconds by
+    ROUND_PHASES)."""
     _set("outer_step", outer_step, run=run, region=region)
     _set("round_regions", group_size, run=run, region=region)
-    for phase, seconds in (("wait_for_shards", wait_seconds), ("all_reduce", reduce_seconds),
-                           ("apply", apply_seconds)):
-        _set("outer_round_seconds", seconds, run=run, region=region, phase=phase)
+    for phase in ROUND_PHASES:
+        _set("outer_round_seconds", phases.get(phase, 0.0), run=run, region=region, phase=phase)
+    _metric("round_duration_seconds").observe(sum(phases.values()), tags={"run": run, "region": region})
     _inc("bytes_sent", bytes_sent, run=run, region=region)
     _inc("bytes_received", bytes_received, run=run, region=region)
+    if connected_peers is not None:
+        _set("connected_peers", connected_peers, run=run, region=region)
+
+
+def record_region_workers(run: str, region: str, workers: int) -> None:
+    _set("region_workers", workers, run=run, region=region)
+
+
+def record_checkpoint(run: str, region: str, outer_step: int | None = None, seconds: float | None = None) -> None:
+    """A committed checkpoint (the SyncActor: its step) or the time one took (rank 0 of the workers)."""
+    if outer_step is not None:
+        _set("last_checkpoint_step", outer_step, run=run, region=region)
+    if seconds is not None:
+        _set("checkpoint_seconds", seconds, run=run, region=region)
 
 
 def record_outer_step(run: str, region: str, outer_step: int) -> None:

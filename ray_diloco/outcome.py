@@ -53,14 +53,11 @@ def canonical_index(stats: list[dict]) -> int:
     """Which finished region's θ_global the run exports: the state every region ends with by the protocol's rule
     (`policy.final_state`: a finished region's state, else the canonical one), each voting with its published
     record (its group size and phase) and the state it holds now."""
-    from ray_diloco.sync.policy import StateRecord, final_state
+    from ray_diloco.sync.policy import final_state, parse_record
 
-    def record(s: dict) -> StateRecord:
-        published = s.get("record") or {}
-        return StateRecord(s["region"], s["outer_step"], s["digest"], published.get("group_size", 0),
-                           published.get("phase", "training"))
-
-    chosen = final_state([record(s) for s in stats])
+    records = [parse_record(s["region"], {"group_size": 0, **(s.get("record") or {}), "outer_step": s["outer_step"],
+                                          "digest": s["digest"]}) for s in stats]
+    chosen = final_state(records)
     return next(i for i, s in enumerate(stats) if s["region"] == chosen.region)
 
 

@@ -30,22 +30,32 @@ RAY_JOB_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 JOB_STOP_WAIT_ENV_VAR = "RAY_JOB_STOP_WAIT_TIME_S"
 
 
-def check_job_stop_wait(cfg: ExperimentConfig, value: str | None) -> None:
+# Ray's job supervisor waits this long after `ray job stop`'s SIGTERM when the runtime_env does not say.
+RAY_DEFAULT_JOB_STOP_WAIT_S = 3
+
+
+def check_job_stop_wait(cfg: ExperimentConfig, value: str | None, in_job: bool) -> None:
     """Ray must let a stopped job wait for its stop: run.stop_timeout_seconds, then the export and summary. A
-    shorter RAY_JOB_STOP_WAIT_TIME_S gets the driver SIGKILLed mid-stop, losing the round's checkpoint."""
+    shorter RAY_JOB_STOP_WAIT_TIME_S gets the driver SIGKILLed mid-stop, losing the round's checkpoint. Outside a
+    Ray job (ray-diloco train) nothing kills the driver, so there is nothing to check."""
     from ray_diloco.stopping import FINISHING_MARGIN_SECONDS
 
     if value is None:
-        return
-    try:
-        wait = float(value)
-    except ValueError:
-        raise ConfigError(f"{JOB_STOP_WAIT_ENV_VAR}: {value!r} is not a number of seconds") from None
+        if not in_job:
+            return
+        value = f"{RAY_DEFAULT_JOB_STOP_WAIT_S} (Ray's default: not set)"
+        wait = RAY_DEFAULT_JOB_STOP_WAIT_S
+    else:
+        try:
+            wait = int(value)  # what Ray parses it with
+        except ValueError:
+            raise ConfigError(f"{JOB_STOP_WAIT_ENV_VAR}: {value!r} is not a whole number of seconds (Ray reads it "
+                              "with int())") from None
     need = cfg.run.stop_timeout_seconds + FINISHING_MARGIN_SECONDS
     if wait < need:
         raise ConfigError(f"{JOB_STOP_WAIT_ENV_VAR}={value} is shorter than run.stop_timeout_seconds "
                           f"({cfg.run.stop_timeout_seconds:g}) + {FINISHING_MARGIN_SECONDS:g} s for the export: "
-                          f"Ray would kill a stopping job; set it to at least {need:g} in the runtime_env "
+                          f"Ray would kill a stopping job; set it to at least {need:.0f} in the runtime_env "
                           "(jobs/runtime_env.yaml) or lower run.stop_timeout_seconds")
 
 
@@ -225,7 +235,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
 
     if cfg.run.name is None:
         raise ConfigError("run.name: give the run a name (--run-name)")
-    check_job_stop_wait(cfg, os.environ.get(JOB_STOP_WAIT_ENV_VAR))
+    check_job_stop_wait(cfg, os.environ.get(JOB_STOP_WAIT_ENV_VAR), in_ray_job())
     cfg.check_elastic()
     cfg = resolve_paths(cfg)
     if cfg.run.resume and cfg.run.mode == "diloco":

@@ -76,6 +76,6 @@ class StepLog:
         else:
             seconds = [b - a for a, b in zip(marks, marks[1:])]
         records = [StepRecord(*fields) for fields in zip(self._steps, values, seconds, self._tokens, self._lrs)]
-        self._start = self._marks[-1]
+        self._start = self._mark()  # the flush's own sync and collective are no step's time
         self._losses, self._marks, self._steps, self._tokens, self._lrs = [], [], [], [], []
         return records

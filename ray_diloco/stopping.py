@@ -1,12 +1,13 @@
 """Stopping a run cleanly: `ray job stop` (and the dashboard's stop button) send the driver SIGTERM, Ctrl-C
 sends SIGINT. `RunStop` handles both for the whole life of the driver, in three phases:
 
-- starting (config, Ray, Hivemind, data): a stop ends the driver before any training, with one line
-  (`RunStopped`), nothing to checkpoint;
+- starting (config, Ray, Hivemind, data): a stop ends the driver at once, before any training, with one line
+  (`RunStopped`, raised from the handler: no training thread exists yet), nothing to checkpoint;
 - training: the first signal asks every region's SyncActor to end its region after the round in progress, whose
   checkpoint its workers then write; the run stops at an outer-step boundary, writes its summary with
   `stopped: true`, and continues from there when started again under its name. A second signal, or no boundary
-  within `run.stop_timeout_seconds`, makes the driver abort the regions still training (`deadline_passed`);
+  within `run.stop_timeout_seconds`, makes the driver abort the regions still training (`deadline_passed`).
+  ddp and single runs have no outer-step boundary to stop at: their first signal aborts at once;
 - finishing (final evaluation, export, summary): a signal is noted and the driver finishes what it writes, so
   the exported model and summary are never half-written.
 
@@ -26,22 +27,25 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# After the stop timeout the driver still evaluates, exports and writes its summary: how long Ray must wait
-# beyond run.stop_timeout_seconds before it kills a stopped job (RAY_JOB_STOP_WAIT_TIME_S).
-FINISHING_MARGIN_SECONDS = 60.0
+# After the stop timeout the driver still aborts the groups (lifecycle.ABORT_GRACE_SECONDS), releases its actors
+# (RELEASE_SECONDS), evaluates, exports and writes its summary: how long Ray must wait beyond
+# run.stop_timeout_seconds before it kills a stopped job (RAY_JOB_STOP_WAIT_TIME_S). The final evaluation runs
+# on the driver's CPU: for the tiny and 150m presets well inside this; not for 1b (see README, "Stopping").
+FINISHING_MARGIN_SECONDS = 120.0
 
 
-class RunStopped(Exception):
+class RunStopped(BaseException):
     """The run was asked to stop before any region finished a round it could report (start-up, or every region
-    aborted at the stop timeout). The message says what was stopped and what was last checkpointed."""
+    aborted at the stop timeout). The message says what was stopped and what was last checkpointed. A
+    BaseException, like KeyboardInterrupt: start-up code that catches Exception must not swallow it."""
 
 
 class RunStop:
     """The driver's signal handling (main thread only: Python allows no other). Use as a context manager around
     the whole run; `reinstall()` after anything that sets its own handler (`ray.init` does)."""
 
-    def __init__(self, timeout: float):
-        self.timeout = timeout
+    def __init__(self, timeout: float = 0.0):
+        self.timeout = timeout  # run.stop_timeout_seconds (set once the config is known)
         self.phase = "starting"
         self.requested = threading.Event()
         self.requested_at: float | None = None  # time.monotonic() of the first signal
@@ -72,18 +76,23 @@ class RunStop:
             print(f"[driver] {name}: training is over; finishing the evaluation, export and summary first",
                   flush=True)
             return
+        if self.phase == "starting":
+            self.requested_at = self.requested_at or time.monotonic()
+            self.requested.set()
+            raise RunStopped("stopped on request before training started: nothing was trained or checkpointed")
         if self.requested.is_set():
-            if self.phase == "training" and not self.forced:
+            if not self.forced:
                 print(f"[driver] {name} again: aborting the regions still training now", flush=True)
                 self.forced = True
             return
         self.requested_at = time.monotonic()
         self.requested.set()
-        if self.phase == "starting":
-            print(f"[driver] {name}: stopping before training starts", flush=True)
-        else:
-            print(f"[driver] {name}: stopping at the end of the current outer step, with a checkpoint (waiting up "
-                  f"to {self.timeout:.0f} s; signal again to stop at once)", flush=True)
+        if not self._sync_actors:  # ddp, single: no outer-step boundary, nothing to checkpoint
+            print(f"[driver] {name}: a ddp or single run has no outer step to stop at: stopping now", flush=True)
+            self.forced = True
+            return
+        print(f"[driver] {name}: stopping at the end of the current outer step, with a checkpoint (waiting up "
+              f"to {self.timeout:.0f} s; signal again to stop at once)", flush=True)
         threading.Thread(target=self._forward, name="run-stop-forward", daemon=True).start()
 
     def start_training(self, sync_actors: list[Any]) -> None:
@@ -92,8 +101,6 @@ class RunStop:
         with self._lock:
             self._sync_actors = [a for a in sync_actors if a is not None]
             self.phase = "training"
-        if self.requested.is_set():
-            self._forward()
 
     def finish(self) -> None:
         """Training is over: signals no longer interrupt anything."""

@@ -191,7 +191,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         tokens_total += tokens_this_round
         if sync_actor is not None:
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
-                sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, inner_step.lr)
+                sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
             time.sleep(test_slowdown(region))
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
@@ -217,6 +217,9 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)
                 checkpoint_seconds += time.perf_counter() - checkpoint_started
+                if rank == 0:
+                    metrics.safely(metrics.record_checkpoint, cfg.run.name, region,
+                                   seconds=time.perf_counter() - checkpoint_started)
             if stop:  # the run was asked to stop; started again under its name, it goes on from here
                 stopped = True
                 break

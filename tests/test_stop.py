@@ -27,19 +27,18 @@ from ray_diloco.stopping import RunStop, RunStopped
 from ray_diloco.worker import SLOW_REGION_ENV_VAR
 
 
-def test_a_stop_during_start_up_ends_the_run_before_training():
+def test_a_stop_during_start_up_ends_the_run_there_before_training():
     with RunStop(timeout=5) as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.1)  # the handler runs in the main thread between bytecodes
         with pytest.raises(RunStopped, match="before training started"):
-            stop.raise_if_requested()
-        with pytest.raises(RunStopped):
+            os.kill(os.getpid(), signal.SIGTERM)  # raised by the handler, in the main thread, at once
+            time.sleep(5)
+        with pytest.raises(RunStopped):  # and any later start-up step refuses to go on
             stop.start_training([])
 
 
 def test_during_training_the_deadline_counts_from_the_first_signal_and_a_second_forces():
     with RunStop(timeout=0.5) as stop:
-        stop.start_training([])
+        stop.start_training([object()])  # a SyncActor stand-in (its request_stop cannot be called: logged)
         assert not stop.deadline_passed()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
@@ -47,28 +46,41 @@ def test_during_training_the_deadline_counts_from_the_first_signal_and_a_second_
         time.sleep(0.6)
         assert stop.deadline_passed() and not stop.forced
     with RunStop(timeout=60) as stop:
-        stop.start_training([])
+        stop.start_training([object()])
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)
         assert stop.forced and stop.deadline_passed()
 
 
+def test_a_baseline_run_has_no_boundary_to_wait_for_and_stops_at_once(capsys):
+    with RunStop(timeout=900) as stop:
+        stop.start_training([None])  # ddp / single: no SyncActor
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert stop.deadline_passed()
+    assert "no outer step to stop at: stopping now" in capsys.readouterr().out
+
+
 def test_after_training_a_signal_lets_the_driver_finish(capsys):
+    before = signal.getsignal(signal.SIGTERM)
     with RunStop(timeout=60) as stop:
-        stop.start_training([])
+        stop.start_training([object()])
         stop.finish()
         os.kill(os.getpid(), signal.SIGTERM)  # would kill pytest were it not handled
         time.sleep(0.1)
         assert not stop.requested.is_set() and not stop.deadline_passed()
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
     assert "finishing the evaluation, export and summary" in capsys.readouterr().out
-    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the previous handler is back
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back
 
 
 def test_a_stop_timeout_shorter_than_one_rounds_waits_is_refused_naming_the_fields():
     with pytest.raises(ConfigError, match=r"^run.stop_timeout_seconds: 100 s cannot hold .*outer.max_wait_seconds "
-                                          r"\+ outer.averaging_timeout = 420 s"):
+                                          r"\+ outer.averaging_timeout\) = 420 s"):
         ExperimentConfig.from_yaml("run: {stop_timeout_seconds: 100}")
+    with pytest.raises(ConfigError, match=r"two rounds.* = 840 s"):  # overlap: the round in flight, then the stop's
+        ExperimentConfig.from_yaml("outer: {overlap: true}\nrun: {stop_timeout_seconds: 600}")
     for preset in ("tiny-cpu", "150m", "1b"):  # the defaults hold
         assert main(["config", "--preset", preset]) == 0
 
@@ -80,7 +92,14 @@ def test_a_job_stop_wait_shorter_than_the_stop_is_refused_before_ray_starts(monk
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and time.monotonic() - started < 10
     assert err.startswith("ray-diloco: error: RAY_JOB_STOP_WAIT_TIME_S=360 is shorter than "
-                          "run.stop_timeout_seconds (900) + 60 s"), err
+                          "run.stop_timeout_seconds (900) + 120 s"), err
+    monkeypatch.delenv("RAY_JOB_STOP_WAIT_TIME_S")  # inside a Ray job, unset means Ray's 3 s
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    assert main(["train", "--run-name", "short-wait"]) == 2
+    assert "RAY_JOB_STOP_WAIT_TIME_S=3 (Ray's default: not set)" in capsys.readouterr().err
+    monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "3720.0")  # Ray's int() would fail on it at stop time
+    assert main(["train", "--run-name", "short-wait"]) == 2
+    assert "not a whole number of seconds" in capsys.readouterr().err
 
 
 def _env(**extra):
@@ -155,6 +174,6 @@ def test_a_sigterm_during_start_up_ends_the_driver_in_one_line_leaving_nothing(t
     code = driver.process.wait(timeout=60)
     out = driver.output()
     assert code == 0 and "Traceback" not in out, out[-3000:]
-    assert "[driver] stopped on request before training started" in out, out[-3000:]
+    assert "[driver] stopped on request before training started" in out, out[-3000:]  # the CLI's one line
     assert not (tmp_path / "early" / "summary.json").exists()
     assert_gone(started)

@@ -161,6 +161,7 @@ class SyncActorImpl(Membership):
             self._drop_waiting_rounds(f"the region's group was resized to {world_size} workers")
             self.workers = {r: w for r, w in self.workers.items() if r < world_size}
         self.group_workers = world_size
+        metrics.safely(metrics.record_region_workers, self.config.run.name, self.region, world_size)
         previous = self.workers.get(rank)
         if previous is not None and previous["pid"] != pid:
             self.record_event("worker_restart", rank=rank, old_pid=previous["pid"], pid=pid)
@@ -254,6 +255,7 @@ class SyncActorImpl(Membership):
         # Off the event loop: other regions' calls (state sharing) go on while the files are written.
         location = await asyncio.get_running_loop().run_in_executor(None, self.store.save, checkpoint)
         self.committed = (step, worker_checkpoint)
+        metrics.safely(metrics.record_checkpoint, self.config.run.name, self.region, outer_step=step)
         logger.info("[%s] checkpoint of outer step %d committed: %s", self.region, step, location)
         return location
 
@@ -386,85 +388,101 @@ class SyncActorImpl(Membership):
 
     async def _run_round(self, workers_step: int, pending: _PendingRound, local: dict[str, torch.Tensor],
                          delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rendezvous, average Δ with the group, apply the outer step, publish, record. Returns θ_global."""
         start = time.perf_counter()
         bad = sum(count_nonfinite(t) for t in delta.values())
         if bad:  # a diverged region stays out of the average and takes the others' state instead
             return await self._skip_nonfinite_round(bad, pending, start)
-        reduce_started = time.perf_counter()
+        expected = 1
         if self.sharer is not None:
-            decision = await asyncio.get_running_loop().run_in_executor(None, self._rendezvous,
-                                                                            time.time() + pending.idle_after)
+            decision = await self._in_executor(self._rendezvous, time.time() + pending.idle_after)
             if isinstance(decision, policy.Finish):
                 # Re-synced to the run's last step (the others finished without us): a round now would apply
                 # our stale Δ alone and end past T with a θ_global nobody else holds.
                 self.record_event("round_skipped_at_end", workers_step=workers_step)
-                await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end)
+                await self._in_executor(self._settle_at_end)
                 return {name: t.clone() for name, t in self.outer.global_state().items()}
             if decision.absent:
                 self.record_event("regions_absent", regions=list(decision.absent),
-                                  waited_seconds=round(time.perf_counter() - reduce_started, 3))
-            self.averager.expected_regions = decision.expected
-        outer_step = self.outer.step_count
-        tokens = sum(pending.tokens_by_rank.values())
-        weight = float(max(tokens, 1))
-        compression = self.config.outer.compression
-        if self.averager is None:
-            # One region: no wire, but the same codec rounding, so results match a multi-region run.
-            result = own_result(compression, self.region, delta)
-        else:
-            try:
-                result = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: self.averager.average(delta, weight=weight, round_index=outer_step)
-                )
-            except Exception as error:  # the region goes on alone this round rather than dying
-                self.record_event("averaging_error", error=repr(error)[:300])
-                result = own_result(compression, self.region, delta, consistent=False, error=repr(error))
-        averaged = result.averaged
-        reduce_seconds = time.perf_counter() - reduce_started
-        record = {"outer_step": outer_step, "tokens": tokens, "group_size": result.group_size,
-                  "peers": list(result.peer_regions), "bytes_sent": result.bytes_sent,
-                  "bytes_received": result.bytes_received, "consistent": result.consistent}
-        if self.averager is not None:
-            record["average_seconds"] = round(result.seconds, 3)
-            self.bytes_sent += result.bytes_sent
-            self.bytes_received += result.bytes_received
-            if result.group_size < self.averager.expected_regions:
-                logger.warning("[%s] outer step %d averaged with %d of %d regions: %s", self.region,
-                               outer_step, result.group_size, self.averager.expected_regions,
-                               result.peer_regions)
-            if not result.consistent:
-                logger.error("[%s] outer step %d: a region dropped mid-round; parts stayed un-averaged",
-                             self.region, outer_step)
-        new_global = self.outer.step(averaged)
+                                  waited_seconds=round(time.perf_counter() - start, 3))
+            expected = decision.expected
+        rendezvous_seconds = time.perf_counter() - start
+        outer_step, tokens = self.outer.step_count, sum(pending.tokens_by_rank.values())
+        result = await self._average(delta, tokens, outer_step, expected)
+        reduce_seconds = time.perf_counter() - start
+        new_global = self.outer.step(result.averaged)
         self._digest = state_digest(new_global)
         if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
-            group = record["group_size"] if record["consistent"] else 1
-            await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish_safely(group))
+            group = result.group_size if result.consistent else 1
+            await self._in_executor(lambda: self._publish_safely(group))
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens
-        wait_seconds = start - pending.first_in
-        record.update(seconds=round(seconds, 3), digest=self._digest, wait_seconds=round(wait_seconds, 3),
-                      overlapped=pending.overlapped,
-                      all_reduce_seconds=round(reduce_seconds, 3), apply_seconds=round(seconds - reduce_seconds, 3),
-                      **pending.inner_report)
-        self.history.append(record)
-        metrics.safely(metrics.record_round, self.config.run.name, self.region, self.outer.step_count,
-                       record["group_size"], wait_seconds, reduce_seconds, seconds - reduce_seconds,
-                       record["bytes_sent"] if self.averager is not None else 0,
-                       record["bytes_received"] if self.averager is not None else 0)
-        if self.record_rounds:
-            self.recorded.append({"local": local, "delta": delta, "tokens": tokens,
-                                  "global_after": {k: v.clone() for k, v in new_global.items()}})
+        # The transfer is what hivemind timed as its all-reduce; the rest of the averaging call is matchmaking.
+        transfer = min(result.timings.get("allreduce", 0.0), reduce_seconds - rendezvous_seconds)
+        phases = {"wait_for_shards": start - pending.first_in, "wait_for_peers": reduce_seconds - transfer,
+                  "all_reduce": transfer, "apply": seconds - reduce_seconds}
+        self._record_round(outer_step, tokens, result, phases, pending, local, delta, new_global)
         every = self.config.run.eval_every
         if self.evaluator is not None and every and (outer_step + 1) % every == 0:
             self.evaluator.evaluate.remote(outer_step + 1, to_wire(new_global))  # Ray copies it here
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
-                    seconds, record["group_size"])
+                    seconds, result.group_size)
         if self.sharer is not None and self.outer.step_count >= self.config.run.outer_steps:
-            await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end)
+            await self._in_executor(self._settle_at_end)
             new_global = self.outer.global_state()  # the canonical state, if the last round left us apart
         return new_global
+
+    async def _in_executor(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+    async def _average(self, delta: dict[str, torch.Tensor], tokens: int, outer_step: int, expected: int):
+        """Δ averaged with the group of `expected` regions (alone: own Δ through the same codec rounding, so the
+        result matches a multi-region run); an averaging error costs this round, not the region."""
+        compression = self.config.outer.compression
+        if self.averager is None:
+            return own_result(compression, self.region, delta)
+        try:
+            result = await self._in_executor(lambda: self.averager.average(
+                delta, weight=float(max(tokens, 1)), round_index=outer_step, expected_regions=expected,
+                checked_finite=True))
+        except Exception as error:  # the region goes on alone this round rather than dying
+            self.record_event("averaging_error", error=repr(error)[:300])
+            return own_result(compression, self.region, delta, consistent=False, error=repr(error))
+        if result.group_size < expected:
+            logger.warning("[%s] outer step %d averaged with %d of %d regions: %s", self.region, outer_step,
+                           result.group_size, expected, result.peer_regions)
+        if not result.consistent:
+            logger.error("[%s] outer step %d: a region dropped mid-round; parts stayed un-averaged", self.region,
+                         outer_step)
+        return result
+
+    def _record_round(self, outer_step: int, tokens: int, result, phases: dict[str, float], pending: _PendingRound,
+                      local: dict, delta: dict, new_global: dict) -> None:
+        """The round in the history (summary.json's `rounds`), the metrics and, for tests, what was sent."""
+        wire = self.averager is not None
+        record = {"outer_step": outer_step, "tokens": tokens, "group_size": result.group_size,
+                  "peers": list(result.peer_regions), "bytes_sent": result.bytes_sent,
+                  "bytes_received": result.bytes_received, "consistent": result.consistent}
+        if wire:
+            record["average_seconds"] = round(result.seconds, 3)
+            self.bytes_sent += result.bytes_sent
+            self.bytes_received += result.bytes_received
+        seconds = sum(phases.values()) - phases["wait_for_shards"]
+        record.update(seconds=round(seconds, 3), digest=self._digest, wait_seconds=round(phases["wait_for_shards"], 3),
+                      overlapped=pending.overlapped,
+                      all_reduce_seconds=round(phases["wait_for_peers"] + phases["all_reduce"], 3),
+                      wait_for_peers_seconds=round(phases["wait_for_peers"], 3),
+                      transfer_seconds=round(phases["all_reduce"], 3), apply_seconds=round(phases["apply"], 3),
+                      **pending.inner_report)
+        self.history.append(record)
+        metrics.safely(metrics.record_round, self.config.run.name, self.region, self.outer.step_count,
+                       record["group_size"], phases, record["bytes_sent"] if wire else 0,
+                       record["bytes_received"] if wire else 0,
+                       self.averager.connected_peers() if wire else None)
+        if self.record_rounds:
+            self.recorded.append({"local": local, "delta": delta, "tokens": tokens,
+                                  "global_after": {k: v.clone() for k, v in new_global.items()}})
 
     async def _skip_nonfinite_round(self, bad: int, pending: _PendingRound, start: float) -> dict[str, torch.Tensor]:
         """Δ has `bad` NaN/inf values: send nothing (the others do not find this region in matchmaking and

@@ -129,6 +129,11 @@ def _await_step(control, averager: ExactAverager, deadline: float):
     return control.result()
 
 
+async def _count_peers(dht, node) -> int:
+    """Runs in the DHT's process (module level: `run_coroutine` pickles it there)."""
+    return len(await node.p2p.list_peers())
+
+
 class RegionAverager:
     def __init__(self, *, run_id: str, region: str, expected_regions: int, compression: str = "fp16",
                  initial_peers: list[str] | None = None, host: str = "127.0.0.1",
@@ -171,29 +176,40 @@ class RegionAverager:
     def visible_multiaddrs(self) -> list[str]:
         return [str(maddr) for maddr in self.dht.get_visible_maddrs()]
 
+    def connected_peers(self, timeout: float = 5.0) -> int | None:
+        """How many peers this node's p2p daemon is connected to now (None if the DHT did not answer in time)."""
+        try:
+            return int(self.dht.run_coroutine(_count_peers, return_future=True).result(timeout))
+        except Exception:  # noqa: BLE001 — a metric: never worth failing a round for
+            return None
+
     def _own_result(self, tensors, start, **kwargs) -> RoundResult:
         return own_result(self.compression, self.region, tensors, seconds=time.monotonic() - start, **kwargs)
 
-    def average(self, tensors: dict[str, torch.Tensor], weight: float, round_index: int) -> RoundResult:
-        """Weighted average of `tensors` with the regions that call this for the same run and round."""
+    def average(self, tensors: dict[str, torch.Tensor], weight: float, round_index: int,
+                expected_regions: int | None = None, checked_finite: bool = False) -> RoundResult:
+        """Weighted average of `tensors` with the regions that call this for the same run and round.
+        `expected_regions`: the group this round waits for (default: the one given at construction);
+        `checked_finite`: the caller already counted non-finite values (the check is a pass over the model)."""
         start = time.monotonic()
         deadline = start + self.averaging_timeout
+        expected = expected_regions or self.expected_regions
         if not tensors:
             raise ValueError("nothing to average")
         if not weight > 0:
             raise ValueError(f"weight must be > 0 (tokens trained), got {weight}")
-        bad = sum(count_nonfinite(t) for t in tensors.values())
+        bad = 0 if checked_finite else sum(count_nonfinite(t) for t in tensors.values())
         if bad:  # refused here, before any peer counts on us (the codec would only fail mid-round)
             raise ValueError(f"[{self.region}] round {round_index}: Δ has {bad} non-finite value(s)")
         names = list(tensors)
         flat = [tensors[n].detach().to("cpu", torch.float32) for n in names]
-        if self.expected_regions == 1:
+        if expected == 1:
             return self._own_result(tensors, start)
 
         with self._lock:
             timings: dict[str, float] = {}
             averager = control = None
-            key = (round_index, self.expected_regions, tuple((n, tuple(t.shape)) for n, t in zip(names, flat)))
+            key = (round_index, expected, tuple((n, tuple(t.shape)) for n, t in zip(names, flat)))
             try:
                 averager, buffers = self._take_prepared(key) or self._start_averager(key, deadline)
                 for buffer, t in zip(buffers, flat):  # the child shares these: it reads Δ and writes the average

@@ -43,6 +43,14 @@ class StateRecord:
     ready_since: float = 0.0  # READY: when its workers came in (wall clock): the round's deadline counts from it
 
 
+def parse_record(region: str, value: dict) -> StateRecord:
+    """A region's record from its published mapping (the DHT value, or the copy in the SyncActor's stats).
+    Raises ValueError (or TypeError, KeyError) on a malformed one; an unknown phase counts as TRAINING."""
+    phase = str(value.get("phase", TRAINING))
+    return StateRecord(str(region), int(value["outer_step"]), str(value["digest"]), int(value["group_size"]),
+                       phase if phase in PHASES else TRAINING, float(value.get("ready_since", 0.0)))
+
+
 def choose_canonical(records: list[StateRecord]) -> StateRecord | None:
     """The state every region should hold: highest outer_step; then the digest held by the most regions; then
     the largest group_size; then the smallest digest. Of the winning digest's records: largest group, then region."""

@@ -38,7 +38,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 
 from ray_diloco.sync.averaging import safe_name
 from ray_diloco.sync.outer import state_digest
-from ray_diloco.sync.policy import PHASES, TRAINING, StateRecord, choose_canonical
+from ray_diloco.sync.policy import PHASES, StateRecord, choose_canonical, parse_record
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +181,7 @@ class StateSharer:
             if not isinstance(value, dict):  # a tombstone (None): the region withdrew its record
                 continue
             try:
-                phase = str(value.get("phase", TRAINING))
-                record = StateRecord(str(region), int(value["outer_step"]), str(value["digest"]),
-                                     int(value["group_size"]), phase if phase in PHASES else TRAINING,
-                                     float(value.get("ready_since", 0.0)))
-                holders.append((record, PeerID.from_base58(value["peer_id"])))
+                holders.append((parse_record(region, value), PeerID.from_base58(value["peer_id"])))
             except (TypeError, KeyError, ValueError):  # a malformed entry
                 continue
         return sorted(holders, key=lambda h: h[0].region)
