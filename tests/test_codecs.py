@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_diloco.sync.codecs import CODEC_NAMES, CODECS, FP16_MAX, count_nonfinite, get_codec, power_of_two_scale
-from ray_diloco.sync.hivemind_exact import decode_part, make_wire_codec
+from ray_diloco.sync.wire_codecs import decode_part, make_wire_codec
 from ray_diloco.sync.outer import weighted_average
 
 

@@ -41,7 +41,8 @@ import torch
 from hivemind import DHT
 
 from ray_diloco.sync.codecs import CODEC_NAMES, count_nonfinite, get_codec
-from ray_diloco.sync.hivemind_exact import ExactAverager, make_wire_codec
+from ray_diloco.sync.hivemind_exact import ExactAverager
+from ray_diloco.sync.wire_codecs import make_wire_codec
 from ray_diloco.sync.outer import state_digest
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Wire codecs for pseudo-gradients: what a region sends, decoded back to fp32 for accumulation.
 
 The registry `CODECS` is the one list of compressions (`CODEC_NAMES`); the hivemind wire forms live in
-`ray_diloco.sync.hivemind_exact.make_wire_codec` and produce the same values.
+`ray_diloco.sync.wire_codecs.make_wire_codec` and produce the same values.
 
 * 'none': fp32. 'bf16': bf16 (fp32's range, 8 mantissa bits).
 * 'fp16': fp16, finite values beyond ±65504 clamped (biased: two regions at 1e5 and one at 0 average to

@@ -4,7 +4,8 @@ Stock hivemind (1.1.x) answers each sender of a part with a *delta* (averaged �
 compressed, and each peer adds the decoded delta to its own local part. With FP16 on the wire every peer
 ends with a slightly different average, so regions that apply the same outer step drift apart.
 
-Here a reducer answers with the **absolute** averaged part, encoded once by the wire codec (same byte
+Here a reducer answers with the **absolute** averaged part, encoded once by the wire codec
+(`ray_diloco.sync.wire_codecs`; same byte
 count as the stock delta), and the owner of a part runs its own averaged part through the same
 encode/decode. Each part's average is computed on exactly one peer (its reducer) and every peer, the
 reducer included, decodes the same bytes; decoding (fp16/bf16 -> fp32, fp32 as is, scaled fp16 times a
@@ -60,132 +61,26 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import math
 import signal
 import time
 from typing import AsyncIterator, Optional, Sequence
 
-import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import (
-    CompressionBase,
-    CompressionInfo,
-    Float16Compression,
-    NoCompression,
-    deserialize_torch_tensor,
-)
+from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import amap_in_executor
 
-from ray_diloco.sync.codecs import SCALE_BYTES, get_codec, require_finite
+from ray_diloco.sync.wire_codecs import decode_part, roundtrip
 
 logger = get_logger(__name__)
 CLOSE_WAIT_SECONDS = 5.0  # a sender waits this long for its reducer to close after our stream ended
-
-
-class _RefuseNonFinite:
-    """Mixin: stock Float16Compression clamps inf to ±65504 and passes NaN; nothing non-finite may go out."""
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        require_finite(tensor)
-        return super().compress(tensor, info, allow_inplace)
-
-
-class Float16WireCompression(_RefuseNonFinite, Float16Compression):
-    """Stock fp16 bytes (finite values clamped to ±65504, as `ray_diloco.sync.codecs` fp16)."""
-
-
-class Float32WireCompression(_RefuseNonFinite, NoCompression):
-    """Stock fp32 bytes."""
-
-
-class BFloat16WireCompression(CompressionBase):
-    """bf16 on the wire in hivemind's own format: NoCompression's 2-byte "bfloat16" buffer.
-
-    Hivemind has no BFLOAT16 compression type, but `NoCompression.extract` already decodes a "bfloat16"
-    tensor whose buffer holds 2 bytes per value (its non-legacy mode), so any hivemind peer reads these
-    bytes correctly. Encoding is `ray_diloco.sync.codecs` bf16 (round to nearest even), decoding gives fp32.
-    """
-
-    compression_type = runtime_pb2.CompressionType.NONE
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        wire, _ = get_codec("bf16").encode(tensor.detach().cpu())
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=wire.view(torch.int16).numpy().tobytes(),
-            size=wire.shape,
-            dtype="bfloat16",
-            requires_grad=False,
-        )
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return NoCompression().extract(serialized_tensor)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return 0.5
-
-
-class ScaledFloat16WireCompression(CompressionBase):
-    """`ray_diloco.sync.codecs` scaled-fp16 per part: buffer = fp16 values of x·s, then s as 4 fp32 bytes.
-
-    It rides on the NONE type with dtype "scaled_float16", which is no numpy dtype: a stock hivemind peer
-    refuses these bytes instead of misreading them. Only `decode_part` (all our runner's receive paths)
-    decodes it.
-    """
-
-    compression_type = runtime_pb2.CompressionType.NONE
-    DTYPE = "scaled_float16"
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        wire, scale = get_codec("scaled-fp16").encode(tensor.detach().cpu())
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=wire.numpy().tobytes() + np.float32(scale).tobytes(),
-            size=wire.shape,
-            dtype=self.DTYPE,
-            requires_grad=False,
-        )
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = torch.Size(serialized_tensor.size)
-        buffer = serialized_tensor.buffer
-        if len(buffer) != 2 * shape.numel() + SCALE_BYTES:
-            raise ValueError(f"a scaled_float16 part of {shape.numel()} values has {len(buffer)} bytes")
-        values = np.frombuffer(buffer, dtype=np.float16, count=shape.numel())
-        scale = float(np.frombuffer(buffer, dtype=np.float32, offset=2 * shape.numel(), count=1)[0])
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"a scaled_float16 part has scale {scale}")
-        return get_codec("scaled-fp16").decode(torch.from_numpy(values.copy()).reshape(shape), scale)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return 0.5
-
-
-def make_wire_codec(name: str) -> CompressionBase:
-    wire = {"fp16": Float16WireCompression, "none": Float32WireCompression, "bf16": BFloat16WireCompression,
-            "scaled-fp16": ScaledFloat16WireCompression}
-    if name not in wire:
-        raise ValueError(f"compression {name!r} is unknown on the hivemind wire; use one of {tuple(wire)}")
-    return wire[name]()
-
-
-def decode_part(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """Any of our wire formats -> fp32 (exact and deterministic: every peer gets the same values)."""
-    if serialized.dtype == ScaledFloat16WireCompression.DTYPE:
-        return ScaledFloat16WireCompression().extract(serialized)
-    return deserialize_torch_tensor(serialized).detach().float()
-
-
-def roundtrip(codec: CompressionBase, part: torch.Tensor) -> torch.Tensor:
-    return decode_part(codec.compress(part, CompressionInfo.from_tensor(part)))
 
 
 def _exception_of(task: asyncio.Task) -> Optional[BaseException]:
@@ -255,11 +150,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         our request stream ends only once every reply is in, and we close only after the reducer has.
 
         With the stub, a reducer's handler ended once it had written its last reply; its p2p daemon then closes
-        the stream, which (by the daemon's pipe code) resets it, dropping what the reader's daemon still buffers:
-        our last replies, behind a slow link or on a busy host (a 50 Mbit/s run; test_slow_region in CI). Ending
-        late also keeps the reducer's round alive until we hold everything (`wait_until_served`). A reducer that
-        ends early or dies closes the stream: we fail it at once (a silent one holds us until reducer_timeout or
-        the round's timeout). Delayed results (a peer with no share) end our stream early, with stock's risk."""
+        the stream, which (by the daemon's pipe code) resets it, and a reset drops what the reader's daemon
+        still buffers: our last replies, behind a slow link or on a busy host (50 Mbit/s WAN run: 1 round in
+        15; test_slow_region under CI load). Ending late also keeps the reducer's round (its averager process)
+        alive until we hold everything (its `wait_until_served`). A reducer that ends early or whose process
+        dies closes the stream: we fail it at once (a host or link gone silent holds us until reducer_timeout
+        or the round's timeout, as in stock). A sender whose reducer delays results (hivemind: a peer with no
+        share) ends its stream after the last part, as stock does, with stock's exposure to that reset."""
         handle = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle)
         all_in = asyncio.Event()
@@ -353,9 +250,13 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     async def wait_until_served(self, timeout: float) -> bool:
-        """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned): a sender ends its
-        stream only once it holds every reply (`_call_reducer`); shutting down before would reset the stream
-        and cut it off (stock keeps its averager alive). A handler ended by a ban or an error does not wait."""
+        """Wait until every remote sender's rpc_aggregate_part has ended (or it was banned).
+
+        Our outputs can be complete while a sender is still reading our last replies; a per-round averager
+        that shut down then would reset the stream and cut that sender off (stock hivemind keeps its averager
+        alive). A sender ends its request stream only once it holds every reply (`_call_reducer`), so a
+        handler that ended normally has been acknowledged; one ended by a ban or an error does not wait.
+        """
         if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
             return True  # nobody sends us anything
         remote = [p for p in self.sender_peer_ids if p != self.peer_id]
