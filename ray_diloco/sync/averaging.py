@@ -130,6 +130,18 @@ def _await_step(control, averager: ExactAverager, deadline: float):
     return control.result()
 
 
+class _NoGroup(Exception):
+    """No group formed for the round: the region goes on alone, and nobody averaged anything of ours."""
+
+
+class _FailedMidRound(Exception):
+    """The all-reduce began and broke: parts may have been averaged without us (an inconsistent round)."""
+
+    def __init__(self, error: str):
+        super().__init__(error)
+        self.error = error
+
+
 async def _count_peers(dht, node) -> int:
     """Runs in the DHT's process (module level: `run_coroutine` pickles it there)."""
     return len(await node.p2p.list_peers())
@@ -209,45 +221,59 @@ class RegionAverager:
 
         with self._lock:
             timings: dict[str, float] = {}
-            averager = control = None
             key = (round_index, expected, tuple((n, tuple(t.shape)) for n, t in zip(names, flat)))
             try:
-                averager, buffers = self._take_prepared(key) or self._start_averager(key, deadline)
-                for buffer, t in zip(buffers, flat):  # the child shares these: it reads Δ and writes the average
-                    buffer.copy_(t)
-                timings["startup"] = time.monotonic() - start
-                # A leader starts when its group is full, else at matchmaking_seconds with those there.
-                control = averager.start_step(
-                    gather=dict(region=self.region, round=int(round_index), compression=self.compression),
-                    weight=float(weight), timeout=self.matchmaking_seconds + 1.0,
-                    init_timeout=max(0.1, deadline - time.monotonic()),
-                )
-                t_step = time.monotonic()
-                outcome = _await_step(control, averager, deadline)
-                timings["step"] = time.monotonic() - t_step
-            except Exception as e:  # any failure ends the round with the own Δ
-                began_allreduce = control is not None and control.began_allreduce
-                if control is not None and not control.done():
-                    control.cancel()
-                if control is not None and not began_allreduce:
-                    # No group formed (hivemind: "could not find a group" at the step deadline): alone.
-                    # Nothing of ours went into anybody's average, so the round is consistent.
-                    level = logging.INFO if "could not find a group" in str(e) else logging.WARNING
-                    logger.log(level, "[%s] round %d: no group (%r); going on alone", self.region, round_index, e)
-                    return self._own_result(tensors, start, timings=timings)
-                logger.warning("[%s] round %d: averaging failed (%r); using the own Δ", self.region,
-                               round_index, e)
-                return self._own_result(tensors, start, error=repr(e), consistent=False, timings=timings)
-            finally:
-                if averager is not None:
-                    t_down = time.monotonic()
-                    averager.shutdown()
-                    timings["shutdown"] = time.monotonic() - t_down
-                if not self._closed:  # the next round's averager starts now, off the critical path of that round
-                    next_key = (round_index + 1, *key[1:])
-                    self._preparing = threading.Thread(target=self._prepare, args=(next_key,), daemon=True)
-                    self._preparing.start()
+                outcome, buffers = self._step(key, flat, weight, round_index, deadline, start, timings)
+            except _NoGroup:  # nothing of ours went into anybody's average: consistent, alone
+                return self._own_result(tensors, start, timings=timings)
+            except _FailedMidRound as failed:
+                return self._own_result(tensors, start, error=failed.error, consistent=False, timings=timings)
+        return self._result(outcome, names, tensors, buffers, round_index, start, timings)
 
+    def _step(self, key: tuple, flat: list[torch.Tensor], weight: float, round_index: int, deadline: float,
+              start: float, timings: dict) -> tuple[dict, list[torch.Tensor]]:
+        """One averaging step in this round's averager process; the next round's averager starts after it.
+        Raises _NoGroup (no group formed) or _FailedMidRound (the all-reduce began and broke)."""
+        averager = control = None
+        try:
+            averager, buffers = self._take_prepared(key) or self._start_averager(key, deadline)
+            for buffer, t in zip(buffers, flat):  # the child shares these: it reads Δ and writes the average
+                buffer.copy_(t)
+            timings["startup"] = time.monotonic() - start
+            # A leader starts when its group is full, else at matchmaking_seconds with those there.
+            control = averager.start_step(
+                gather=dict(region=self.region, round=int(round_index), compression=self.compression),
+                weight=float(weight), timeout=self.matchmaking_seconds + 1.0,
+                init_timeout=max(0.1, deadline - time.monotonic()),
+            )
+            t_step = time.monotonic()
+            outcome = _await_step(control, averager, deadline)
+            timings["step"] = time.monotonic() - t_step
+            return outcome, buffers
+        except Exception as e:  # any failure ends the round with the own Δ
+            began_allreduce = control is not None and control.began_allreduce
+            if control is not None and not control.done():
+                control.cancel()
+            if control is not None and not began_allreduce:
+                # No group formed (hivemind: "could not find a group" at the step deadline): alone.
+                level = logging.INFO if "could not find a group" in str(e) else logging.WARNING
+                logger.log(level, "[%s] round %d: no group (%r); going on alone", self.region, round_index, e)
+                raise _NoGroup() from e
+            logger.warning("[%s] round %d: averaging failed (%r); using the own Δ", self.region, round_index, e)
+            raise _FailedMidRound(repr(e)) from e
+        finally:
+            if averager is not None:
+                t_down = time.monotonic()
+                averager.shutdown()
+                timings["shutdown"] = time.monotonic() - t_down
+            if not self._closed:  # the next round's averager starts now, off the critical path of that round
+                next_key = (round_index + 1, *key[1:])
+                self._preparing = threading.Thread(target=self._prepare, args=(next_key,), daemon=True)
+                self._preparing.start()
+
+    def _result(self, outcome: dict, names: list[str], tensors: dict[str, torch.Tensor],
+                buffers: list[torch.Tensor], round_index: int, start: float, timings: dict) -> RoundResult:
+        """The round's result from the averager's outcome; inconsistent where a reducer or a sender dropped."""
         stats = outcome["stats"] or {}
         if "allreduce_seconds" in stats:  # the transfer and decode; the rest of the step is matchmaking
             timings["allreduce"] = float(stats["allreduce_seconds"])
