@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -23,7 +25,26 @@ from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 POLL_SECONDS = 0.5  # how often a waiting region reads the other regions' records again
+
+
+@dataclasses.dataclass(frozen=True)
+class Again:
+    """What a polling attempt returns when it has no answer yet: try again after `seconds`."""
+    seconds: float
+
+
+def poll(attempt: Callable[[], T | Again]) -> T:
+    """The one poll-until-decided loop of the membership's waits (rendezvous, settling at the end, re-syncing
+    from a newer state): call `attempt` until it returns an answer, sleeping as each `Again` says. Every attempt
+    bounds itself (its own deadline, from the policy or the configured waits), so no wait is unbounded."""
+    while True:
+        outcome = attempt()
+        if not isinstance(outcome, Again):
+            return outcome
+        if outcome.seconds > 0:
+            time.sleep(outcome.seconds)
 PEER_FILES_SECONDS = 5.0  # how often it reads the other regions' peer files (storage listings cost more)
 
 
@@ -137,7 +158,9 @@ class Membership:
         outer = self.config.outer
         give_up = arrived + outer.max_wait_seconds + outer.averaging_timeout
         ready = False
-        while True:
+
+        def attempt() -> policy.Run | policy.Finish | Again:
+            nonlocal ready
             decision = policy.plan_round(
                 self._published, self._read_records(), target=self.config.run.outer_steps, arrived=arrived,
                 now=time.time(), max_wait=outer.max_wait_seconds,
@@ -148,19 +171,19 @@ class Membership:
                     ready = False
                 if self._adopt(decision.record, "resync"):
                     self._publish_safely(0)
-                elif time.time() > give_up:
-                    return policy.Run(1)
-                else:
-                    time.sleep(POLL_SECONDS)
-            elif isinstance(decision, policy.Finish):
+                    return Again(0.0)
+                return policy.Run(1) if time.time() > give_up else Again(POLL_SECONDS)
+            if isinstance(decision, policy.Finish):
                 return decision
-            elif not ready:
+            if not ready:
                 self._set_phase_safely(READY, ready_since=arrived)
                 ready = True
-            elif isinstance(decision, policy.Wait):
-                time.sleep(max(0.0, min(POLL_SECONDS, decision.deadline - time.time())))
-            else:
-                return decision
+                return Again(0.0)
+            if isinstance(decision, policy.Wait):
+                return Again(max(0.0, min(POLL_SECONDS, decision.deadline - time.time())))
+            return decision
+
+        return poll(attempt)
 
     def _settle_at_end(self) -> None:
         """After our last round: once the live regions reached the last step (or max_wait passed), take the
@@ -169,30 +192,34 @@ class Membership:
         cfg = self.config
         ended = time.monotonic()
         give_up = ended + cfg.outer.max_wait_seconds + cfg.outer.averaging_timeout
-        while True:
+
+        def attempt() -> bool | Again:
             decision = policy.settle_at_end(self._published, self._read_records(), target=cfg.run.outer_steps,
                                             ended=ended, now=time.monotonic(), max_wait=cfg.outer.max_wait_seconds)
             if isinstance(decision, policy.Adopt) and self._adopt(decision.record, "settled_at_end"):
                 self._publish_safely(0)
-                continue
+                return Again(0.0)
             unsettled = getattr(decision, "settled", True) is False or time.monotonic() > give_up
-            if isinstance(decision, policy.Finish) or unsettled:
-                if unsettled:  # the driver's summary then names the regions that disagree
-                    self.record_event("unsettled_at_end", why="the DHT did not answer, or the canonical state "
-                                                              "could not be loaded, in time")
-                self._set_phase_safely(FINISHED)
-                return
-            time.sleep(POLL_SECONDS)
+            if not (isinstance(decision, policy.Finish) or unsettled):
+                return Again(POLL_SECONDS)
+            if unsettled:  # the driver's summary then names the regions that disagree
+                self.record_event("unsettled_at_end", why="the DHT did not answer, or the canonical state "
+                                                          "could not be loaded, in time")
+            self._set_phase_safely(FINISHED)
+            return True
+
+        poll(attempt)
 
     def _resync_from_newer(self, own_step: int) -> bool:
         """Wait (up to max_wait + averaging_timeout) for another region's record past `own_step`; adopt the
         canonical one. False if none appeared or none could be loaded in time."""
         # The others may wait up to max_wait for stragglers before their round: wait that long too.
         deadline = time.monotonic() + self.config.outer.max_wait_seconds + self.config.outer.averaging_timeout
-        while True:
+
+        def attempt() -> bool | Again:
             newer = policy.newer_state(own_step, self.region, self._read_records() or [])
             if newer is not None and self._adopt(newer, "resync"):
                 return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(POLL_SECONDS)
+            return False if time.monotonic() >= deadline else Again(POLL_SECONDS)
+
+        return poll(attempt)
