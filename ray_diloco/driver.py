@@ -156,8 +156,9 @@ def actor_placement(region: RegionConfig) -> dict[str, Any]:
 
 
 def run_actor_name(kind: str, cfg: ExperimentConfig, region: str | None = None) -> str:
-    """The Ray name of a run-scoped actor (`sync`, `stream`, `eval`, `data`): every process of a run can be found
-    by it (the dashboard's Actors page, `ray list actors`, tests that check none outlives the run)."""
+    """The Ray name of a run-scoped actor (`sync`, `stream`: per region; `eval`, `data`: per driver, `region` then
+    names the driver's regions joined by '+'): every process of a run can be found by it (the dashboard's Actors
+    page, `ray list actors`, tests that check none outlives the run)."""
     return f"diloco-{kind}-{cfg.run.name}" + (f"-{region}" if region else "")
 
 
@@ -301,13 +302,16 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
     actors: list[Any] = [None] * len(groups)
     streams: list[Any] = []
     evaluator = live = None
-    counters = DataCounters.options(name=run_actor_name("data", cfg), **on_driver_node()).remote()
+    # This driver's regions in the name: a second driver of the run in the same cluster (a region joining from
+    # another config) has its own counters and evaluator.
+    drivers_regions = "+".join(g.name for g in groups)
+    counters = DataCounters.options(name=run_actor_name("data", cfg, drivers_regions), **on_driver_node()).remote()
     try:
         datasets = region_datasets(cfg, groups, counters)
         # Beside the driver where nodes come and go (an elastic region); anywhere else (it needs a CPU share).
         placement = on_driver_node() if any(g.elastic for g in groups) else {}
         if cfg.run.eval_every:
-            evaluator = Evaluator.options(name=run_actor_name("eval", cfg), num_cpus=EVALUATOR_CPUS,
+            evaluator = Evaluator.options(name=run_actor_name("eval", cfg, drivers_regions), num_cpus=EVALUATOR_CPUS,
                                           **placement).remote(cfg.to_dict(), windows)
         if cfg.run.mode == "diloco":
             actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator)

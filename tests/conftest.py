@@ -120,7 +120,8 @@ def run_process_ids(run_name: str, regions: list[str]) -> list[int]:
     `driver.run_actor_name`) and everything they started (Hivemind's averager and DHT processes, p2pd)."""
     names = [f"diloco-{kind}-{run_name}-{region}" for kind in ("sync", "stream") for region in regions]
     pids = []
-    for name in [*names, f"diloco-data-{run_name}", f"diloco-eval-{run_name}"]:
+    drivers_regions = "+".join(regions)
+    for name in [*names, f"diloco-data-{run_name}-{drivers_regions}", f"diloco-eval-{run_name}-{drivers_regions}"]:
         try:
             actor = ray.get_actor(name)
         except ValueError:  # not started (the evaluator without eval_every) or already gone

@@ -1,6 +1,6 @@
 """`ray job submit` as the README runs it, on real local heads started with `ray start --head`:
 
-- a 2-region job on a head with 2 CPUs (it needs 3.25) fails within seconds with the resource message (it
+- a 2-region job on a head with 2 CPUs (it needs 3.75, the evaluator's 0.5 included) fails within seconds with the resource message (it
   used to hang forever waiting for workers that could never be placed);
 - `ray-diloco train` with a `ray start` cluster running starts a private Ray; `--address auto` attaches;
 - the README's job commands (`ray start --head --num-cpus 4`, the 2-region job): `ray job stop` ends the run at
@@ -118,7 +118,7 @@ def test_a_job_that_cannot_fit_fails_within_seconds_with_the_resource_message(sm
     done = small_head.submit(ROOT, "--regions", "2", "--output-dir", str(tmp_path), timeout=180)
     seconds = time.monotonic() - started
     assert done.returncode != 0, done.stdout[-2000:]
-    assert "the run needs 3.25 CPU" in done.stdout and "cluster has 2" in done.stdout, done.stdout[-3000:]
+    assert "the run needs 3.75 CPU" in done.stdout and "cluster has 2" in done.stdout, done.stdout[-3000:]
     assert "Traceback" not in done.stdout, done.stdout[-3000:]
     assert seconds < 90, seconds  # upload, job start-up and the check: no worker group ever waited
     assert not list(tmp_path.iterdir())  # nothing written
