@@ -382,6 +382,11 @@ class ExperimentConfig:
         wanted = self.run.local_regions
         return [r for r in self.regions if not wanted or r.name in wanted]
 
+    def tokens_per_worker(self, outer_steps: int) -> int:
+        """Tokens one worker has trained after `outer_steps` outer steps (H-step blocks in ddp/single)."""
+        data = self.data
+        return outer_steps * self.outer.inner_steps * data.batch_size * data.seq_len * self.inner.grad_accum
+
     @property
     def total_inner_steps(self) -> int:
         return self.run.outer_steps * self.outer.inner_steps

@@ -25,16 +25,12 @@ class EvaluatorImpl:
         self.windows = windows
         self.curve: list[dict] = []
 
-    def tokens_per_worker(self, outer_step: int) -> int:
-        data, inner = self.cfg.data, self.cfg.inner
-        return outer_step * self.cfg.outer.inner_steps * data.batch_size * data.seq_len * inner.grad_accum
-
     def evaluate(self, outer_step: int, state: dict[str, np.ndarray]) -> dict:
         """Held-out loss of `state` (full tensors, as `sharding.to_wire` sends them) after `outer_step` outer
         steps (or H-step blocks in ddp/single)."""
         load_parameters(self.model, from_wire(state))
         loss, perplexity = evaluate_loss(self.model, self.windows, self.cfg.data.batch_size)
-        point = {"outer_step": outer_step, "tokens_per_worker": self.tokens_per_worker(outer_step),
+        point = {"outer_step": outer_step, "tokens_per_worker": self.cfg.tokens_per_worker(outer_step),
                  "eval_loss": loss, "eval_perplexity": perplexity}
         self.curve.append(point)
         metrics.safely(metrics.record_eval, self.cfg.run.name, outer_step, loss, perplexity)

@@ -58,13 +58,20 @@ def wait_for_groups(futures: list[Future], names: list[str], stop: RunStop | Non
             deadline = time.monotonic() + ABORT_GRACE_SECONDS
             while not all(f.done() for f in futures) and time.monotonic() < deadline:
                 time.sleep(POLL_SECONDS)
-            return [(None, RegionAborted(f"{name}: training aborted by the stop ({why})")) if name in running
-                    and (not f.done() or f.result()[1] is not None) else f.result() for name, f in zip(names, futures)]
+            return [_after_abort(name, f, name in running, why) for name, f in zip(names, futures)]
         time.sleep(POLL_SECONDS)
     return [f.result() for f in futures]
 
 
-def abort_training_controllers() -> list[str]:
+def _after_abort(name: str, future: Future, was_running: bool, why: str) -> tuple[Any, BaseException | None]:
+    """A group that was still training when the stop aborted it reports `RegionAborted` (however its fit then
+    ended); one that had finished keeps its own outcome."""
+    if was_running and (not future.done() or future.result()[1] is not None):
+        return None, RegionAborted(f"{name}: training aborted by the stop ({why})")
+    return future.result()
+
+
+def abort_training_controllers() -> None:
     """Kill the Ray Train controllers of this driver's job that are alive. Ray Train V2 keeps no handle we could
     call `abort` on, so they are found in the GCS actor table (`ray._private.state`, no dashboard needed) and
     killed by id; each group's workers are owned by their controller and die with it. Relies on Ray 2.60's
@@ -72,16 +79,13 @@ def abort_training_controllers() -> list[str]:
     from ray._private import state
 
     job = ray.get_runtime_context().get_job_id()
-    killed = []
     for actor_id, info in state.actors().items():
         if info.get("ActorClassName") == "TrainController" and info.get("JobID") == job \
-                and info.get("State") not in ("DEAD",):
+                and info.get("State") != "DEAD":
             try:
                 ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
-                killed.append(actor_id)
             except Exception as error:
                 logger.warning("could not kill Ray Train controller %s: %s", actor_id, error)
-    return killed
 
 
 def release_all(actors: list[tuple[Any, str | None]]) -> None:
@@ -101,7 +105,7 @@ def release_all(actors: list[tuple[Any, str | None]]) -> None:
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
-                pass  # already gone
+                logger.debug("a run actor was already gone before its %s", calls[ref])
             except Exception as error:  # its own failure must not hide the run's outcome
                 logger.warning("%s of a run actor failed: %s", calls[ref], type(error).__name__)
         if pending:
@@ -119,16 +123,18 @@ def wait_until_dead(actors: list[Any], timeout: float = RELEASE_SECONDS) -> list
     pending = [a for a in actors if a is not None]
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
-        still = []
-        for actor in pending:
-            try:
-                ray.get(actor.__ray_ready__.remote(), timeout=1)
-                still.append(actor)  # answered: alive
-            except ray.exceptions.RayActorError:
-                pass  # dead
-            except ray.exceptions.GetTimeoutError:
-                still.append(actor)
-        pending = still
+        pending = [actor for actor in pending if _not_dead(actor)]
         if pending:
             time.sleep(POLL_SECONDS)
     return pending
+
+
+def _not_dead(actor: Any) -> bool:
+    """False once Ray reports the actor dead; an answer, or none within a second, counts as alive."""
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=1)
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.GetTimeoutError:
+        return True
+    return True

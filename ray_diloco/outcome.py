@@ -42,9 +42,7 @@ def eval_curve(cfg: ExperimentConfig, outcome: TrainingOutcome, eval_start: floa
     curve = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *outcome.curve]
     final = outcome.final_outer_step()
     if curve[-1]["outer_step"] != final:
-        data = cfg.data
-        tokens = final * cfg.outer.inner_steps * data.batch_size * data.seq_len * cfg.inner.grad_accum
-        curve.append({"outer_step": final, "tokens_per_worker": tokens, "eval_loss": eval_loss,
+        curve.append({"outer_step": final, "tokens_per_worker": cfg.tokens_per_worker(final), "eval_loss": eval_loss,
                       "eval_perplexity": eval_ppl})
     return curve
 

@@ -34,11 +34,8 @@ class StepLog:
     def __init__(self, device: torch.device, world_size: int, every: int):
         self.device, self.world_size, self.every = device, world_size, max(1, every)
         self.cuda = device.type == "cuda"
-        self._losses: list[torch.Tensor] = []
-        self._marks: list = []  # CUDA events, or perf_counter() values
-        self._steps: list[int] = []
-        self._tokens: list[int] = []
-        self._lrs: list[float] = []
+        # Per recorded step: (step, loss on the device, its end mark: a CUDA event or perf_counter(), tokens, lr).
+        self._pending: list[tuple[int, torch.Tensor, object, int, float]] = []
         self._start = self._mark()
 
     def _mark(self):
@@ -54,28 +51,24 @@ class StepLog:
 
     def record(self, step: int, loss: torch.Tensor, tokens: int, lr: float) -> bool:
         """Note a finished step (no sync); True when it is time to flush."""
-        self._lrs.append(lr)
-        self._losses.append(loss.detach().float().reshape(()))
-        self._marks.append(self._mark())
-        self._steps.append(step)
-        self._tokens.append(tokens)
-        return len(self._steps) >= self.every
+        self._pending.append((step, loss.detach().float().reshape(()), self._mark(), tokens, lr))
+        return len(self._pending) >= self.every
 
     def flush(self) -> list[StepRecord]:
         """The steps recorded since the last flush, as numbers: one all_reduce (group size > 1) and one host sync."""
-        if not self._steps:
+        if not self._pending:
             return []
-        losses = torch.stack(self._losses)
+        steps, losses, marks, tokens, lrs = zip(*self._pending)
+        losses = torch.stack(losses)
         if self.world_size > 1:
             dist.all_reduce(losses, op=dist.ReduceOp.AVG)
         values = losses.tolist()  # the host sync
-        marks = [self._start, *self._marks]
+        marks = [self._start, *marks]
         if self.cuda:
-            self._marks[-1].synchronize()
+            marks[-1].synchronize()
             seconds = [a.elapsed_time(b) / 1000.0 for a, b in zip(marks, marks[1:])]
         else:
             seconds = [b - a for a, b in zip(marks, marks[1:])]
-        records = [StepRecord(*fields) for fields in zip(self._steps, values, seconds, self._tokens, self._lrs)]
+        self._pending = []
         self._start = self._mark()  # the flush's own sync and collective are no step's time
-        self._losses, self._marks, self._steps, self._tokens, self._lrs = [], [], [], [], []
-        return records
+        return [StepRecord(*fields) for fields in zip(steps, values, seconds, tokens, lrs)]

@@ -85,7 +85,9 @@ class Rounds:
         transfer = min(result.timings.get("allreduce", 0.0), reduce_seconds - rendezvous_seconds)
         phases = {"wait_for_shards": start - pending.first_in, "wait_for_peers": reduce_seconds - transfer,
                   "all_reduce": transfer, "apply": seconds - reduce_seconds}
-        self._record_round(outer_step, tokens, result, phases, pending, local, delta, new_global)
+        # A DHT call (up to seconds): off the event loop, which the region's ranks' exchange calls share.
+        peers = await self._in_executor(self.averager.connected_peers) if self.averager is not None else None
+        self._record_round(outer_step, tokens, result, phases, pending, local, delta, new_global, peers)
         every = self.config.run.eval_every
         if self.evaluator is not None and every and (outer_step + 1) % every == 0:
             self.evaluator.evaluate.remote(outer_step + 1, to_wire(new_global))  # Ray copies it here
@@ -121,7 +123,7 @@ class Rounds:
         return result
 
     def _record_round(self, outer_step: int, tokens: int, result, phases: dict[str, float], pending: PendingRound,
-                      local: dict, delta: dict, new_global: dict) -> None:
+                      local: dict, delta: dict, new_global: dict, connected_peers: int | None) -> None:
         """The round in the history (summary.json's `rounds`), the metrics and, for tests, what was sent."""
         wire = self.averager is not None
         record = {"outer_step": outer_step, "tokens": tokens, "group_size": result.group_size,
@@ -142,7 +144,7 @@ class Rounds:
         metrics.safely(metrics.record_round, self.config.run.name, self.region, self.outer.step_count,
                        record["group_size"], phases, record["bytes_sent"] if wire else 0,
                        record["bytes_received"] if wire else 0,
-                       self.averager.connected_peers() if wire else None)
+                       connected_peers)
         if self.record_rounds:
             self.recorded.append({"local": local, "delta": delta, "tokens": tokens,
                                   "global_after": {k: v.clone() for k, v in new_global.items()}})
