@@ -113,8 +113,13 @@ def test_every_board_query_returns_both_regions(ray_with_prometheus, tmp_path, c
     # eval_every as a default run has it (None: chosen for a bounded cost; here the end's evaluation only), and
     # a checkpoint every outer step for the checkpoint panels.
     cfg = small_run(tmp_path, name, [1, 1], inner_steps=4, outer_steps=T, checkpoint_every=1)
-    summary = run_training(cfg)
-    assert summary["regions_agree"]
+    # The global Prometheus federates while the run is live: a finished run's series go stale in the regional
+    # one once its actors are gone, and /federate serves only live series.
+    with running_prometheus(tmp_factory.mktemp("global"), federation_config(port)) as global_port:
+        summary = run_training(cfg)
+        assert summary["regions_agree"]
+        time.sleep(4)
+        check_federation(global_port, name)
 
     # The driver's live lines, its last line, and the picture.
     out = capfd.readouterr().out
@@ -141,23 +146,25 @@ def test_every_board_query_returns_both_regions(ray_with_prometheus, tmp_path, c
         result = api(port, "query", query=f'ray_ray_diloco_{metric}{{run="{name}"}}', time=end)["result"]
         assert {s["metric"]["region"]: float(s["value"][1]) for s in result} == \
             {r: float(b) for r, b in summary[key].items()}, (metric, result)
-    check_federation(port, name, tmp_factory.mktemp("global"))
 
 
-def check_federation(regional_port: int, name: str, work: pathlib.Path) -> None:
-    """cluster/prometheus/global-federation.yml, its targets pointed at this test's Prometheus (one region's):
-    the global one gets every ray_diloco series of the run, labelled with the cluster it came from."""
+def federation_config(regional_port: int) -> dict:
+    """cluster/prometheus/global-federation.yml, its targets pointed at this test's Prometheus (one region's)."""
     config = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "cluster" / "prometheus"
                              / "global-federation.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     job = config["scrape_configs"][0]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{regional_port}"], "labels": {"ray_cluster": "local"}}]
-    with running_prometheus(work, config) as port:
-        query = f'ray_ray_diloco_outer_step{{run="{name}"}}'
-        wait_until(lambda: len(api(port, "query", query=query)["result"]) == 2, 30, "the federated series")
-        result = api(port, "query", query=query)["result"]
-        assert {(s["metric"]["region"], s["metric"]["ray_cluster"], float(s["value"][1])) for s in result} == \
-            {("r0", "local", T), ("r1", "local", T)}, result
+    return config
+
+
+def check_federation(port: int, name: str) -> None:
+    """The global Prometheus got the run's ray_diloco series from the regional one, labelled with the cluster
+    they came from, up to the last outer step."""
+    query = f'max_over_time(ray_ray_diloco_outer_step{{run="{name}"}}[10m])'
+    result = api(port, "query", query=query)["result"]
+    assert {(s["metric"]["region"], s["metric"]["ray_cluster"], float(s["value"][1])) for s in result} == \
+        {("r0", "local", T), ("r1", "local", T)}, result
 
 
 def check_plausible(query: str, result: list[dict], summary: dict) -> None:
