@@ -220,6 +220,11 @@ def train(cfg: ExperimentConfig, address: str | None) -> int:
     except RunStopped as stopped:  # asked for: one line, no traceback
         print(f"[driver] {stopped}", flush=True)
         return 0
+    if summary.get("unsettled"):  # the regions of the run did not end on one θ_global: never a quiet success
+        print(f"ray-diloco: error: run {cfg.run.name} ended unsettled: region(s) "
+              f"{', '.join(summary['disagreeing_regions']) or 'of this driver'} hold another θ_global than the "
+              f"exported {summary['exported_digest']} (see the events in summary.json)", file=sys.stderr)
+        return 1
     return 0 if summary["eval_loss"] == summary["eval_loss"] else 1  # NaN loss fails the command
 
 

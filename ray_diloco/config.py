@@ -305,12 +305,18 @@ class RunConfig:
     data position from the SyncActor; the inner AdamW state from that step's worker checkpoint, if one was
     committed, else anew): the inner steps of the unfinished round are trained again."""
 
-    def peers_dir(self) -> str:
-        """Where each region's SyncActor writes its Hivemind multiaddrs for the others to find:
-        `<checkpoint_path or output_dir>/<run>/peers` (storage every cluster of the run shares)."""
+    def storage(self) -> str:
+        """`<checkpoint_path or output_dir>/<run>`: the run's storage that every cluster of the run shares."""
         base = self.checkpoint_path or self.output_dir
-        return f"{base.rstrip('/')}/{self.name}/peers" if "://" in base else os.path.join(local_path(base), self.name,
-                                                                                           "peers")
+        return f"{base.rstrip('/')}/{self.name}" if "://" in base else os.path.join(local_path(base), self.name)
+
+    def peers_dir(self) -> str:
+        """Where each region's SyncActor writes its Hivemind multiaddrs for the others to find."""
+        return f"{self.storage()}/peers"
+
+    def states_dir(self) -> str:
+        """Where each region keeps its last committed and its final outer state (`ray_diloco.sync.durable`)."""
+        return f"{self.storage()}/states"
 
     def checkpoint_root(self) -> str:
         if self.checkpoint_path:

@@ -31,7 +31,8 @@ from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
 from ray_diloco.live_summary import LiveSummary
 from ray_diloco.model import build_model, count_parameters, load_parameters, save_model
-from ray_diloco.outcome import TrainingOutcome, baseline_outcome, build_summary, canonical_index
+from ray_diloco.outcome import (TrainingOutcome, baseline_outcome, build_summary, canonical_index,
+                                finished_elsewhere)
 from ray_diloco.plots import write_loss_png
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
 from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
@@ -275,6 +276,7 @@ def finish_run(cfg: ExperimentConfig, groups: list[RegionConfig], prepared: Prep
     # The dashboards' held-out panels get the end's evaluation too (a run with no mid-run one had none).
     metrics.safely(metrics.record_eval, cfg.run.name, outcome.final_outer_step(), eval_loss, eval_ppl)
     save_model(model, outcome.final_state, out_dir / "model", prepared.tokenizer)
+    outcome.finished_elsewhere = finished_elsewhere(cfg, groups)
     summary = build_summary(cfg, groups, outcome, eval_start, eval_loss, eval_ppl, wall, num_params)
     summary_file = out_dir / f"summary{prepared.suffix}.json"
     summary_file.write_text(json.dumps(summary, indent=2))

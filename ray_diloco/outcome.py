@@ -3,14 +3,18 @@ are a contract: tools and tests read them), and which region's θ_global the run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.data.pipeline import region_file_shares
+from ray_diloco.sync import durable
 from ray_diloco.sync.outer import state_digest
+
+logger = logging.getLogger(__name__)
 
 
 def data_parallel_bytes(num_params: int, workers: int, steps: int) -> int:
@@ -29,10 +33,26 @@ class TrainingOutcome:
     final_state: dict[str, torch.Tensor]
     curve: list[dict]
     data_counts: dict[str, int]
+    # Regions of the run that other drivers ran and that finished it: their final digests (from storage).
+    finished_elsewhere: dict[str, str] = field(default_factory=dict)
 
     def final_outer_step(self) -> int:
         """The outer step the exported θ_global is at (the furthest a finished group got)."""
         return max((w.get("outer_step", 0) for w in self.worker_results), default=0)
+
+
+def finished_elsewhere(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, str]:
+    """The final digests that regions run by other drivers (other clusters) kept in the run's storage."""
+    if cfg.run.mode != "diloco" or len(cfg.regions) == 1:
+        return {}
+    ours = {g.name for g in groups}
+    try:
+        stored = durable.read_records(cfg.run.states_dir())
+    except Exception as error:  # storage unreachable: the summary then compares this driver's regions only
+        logger.warning("reading the stored state records failed: %r", error)
+        return {}
+    return {region: s.record.digest for region, s in sorted(stored.items())
+            if region not in ours and durable.finished(s, cfg.run.outer_steps)}
 
 
 def eval_curve(cfg: ExperimentConfig, outcome: TrainingOutcome, eval_start: float, eval_loss: float,
@@ -79,10 +99,27 @@ def data_files(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, l
     return None if shares is None else {g.name: shares[names.index(g.name)] for g in groups}
 
 
+def agreement(stats: list[dict], exported: str, elsewhere: dict[str, str]) -> dict[str, Any]:
+    """Whether the run ended on one θ_global: this driver's regions (`stats`) and the regions other drivers ran
+    that finished the run (`elsewhere`: region -> final digest, from the run's storage)."""
+    disagreeing = sorted([s["region"] for s in stats if s["digest"] != exported]
+                         + [region for region, digest in elsewhere.items() if digest != exported])
+    return {
+        "regions_agree": len({s["digest"] for s in stats} | set(elsewhere.values())) == 1,
+        # The exported θ_global is the canonical one; regions that finished holding another state are named.
+        "exported_digest": exported,
+        "disagreeing_regions": disagreeing,
+        "global_digest": {s["region"]: s["digest"] for s in stats},
+        "finished_elsewhere": elsewhere,
+        # Not one θ_global at the end: a region could not take the final state (the CLI then exits non-zero).
+        "unsettled": bool(disagreeing) or any(e["event"] == "unsettled_at_end" for s in stats
+                                              for e in s.get("events", [])),
+    }
+
+
 def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: TrainingOutcome, eval_start: float,
                   eval_loss: float, eval_ppl: float, wall: float, num_params: int) -> dict[str, Any]:
     stats, workers = outcome.stats, outcome.worker_results
-    exported = state_digest(outcome.final_state)
     mean = lambda values: sum(values) / len(values)  # noqa: E731  (over the finished groups' rank 0)
     return {
         "mode": cfg.run.mode,
@@ -109,11 +146,7 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
                                            for w in workers]), 4),
         "skipped_records": outcome.data_counts["skipped"],
         "dropped_tail_tokens": outcome.data_counts["tail_dropped"],
-        "regions_agree": len({s["digest"] for s in stats}) == 1,
-        # The exported θ_global is the canonical one; regions that finished holding another state are named.
-        "exported_digest": exported,
-        "disagreeing_regions": sorted(s["region"] for s in stats if s["digest"] != exported),
-        "global_digest": {s["region"]: s["digest"] for s in stats},
+        **agreement(stats, state_digest(outcome.final_state), outcome.finished_elsewhere),
         "rounds": {s["region"]: s["rounds"] for s in stats},
         "events": sorted((e for s in stats for e in s.get("events", [])), key=lambda e: e["time"]),
         "eval_curve": eval_curve(cfg, outcome, eval_start, eval_loss, eval_ppl),

@@ -34,14 +34,16 @@ from ray_diloco.step_log import StepLog
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
 
-SLOW_REGION_ENV_VAR = "RAY_DILOCO_TEST_SLOW_REGION"  # tests only: "<region>:<seconds>"
+SLOW_REGION_ENV_VAR = "RAY_DILOCO_TEST_SLOW_REGION"  # tests only: "<region>:<seconds>[:<from outer step>]"
 
 
-def test_slowdown(region: str) -> float:
+def test_slowdown(region: str, outer_step: int) -> float:
     """Seconds this region's workers sleep after their H inner steps (a test makes one region steadily slower
-    than the others; read at run time, so a job's runtime_env sets it). 0 unless the variable names `region`."""
-    name, _, seconds = os.environ.get(SLOW_REGION_ENV_VAR, "").partition(":")
-    return float(seconds) if name == region and seconds else 0.0
+    than the others, or late from one round on; read at run time, so a job's runtime_env sets it). 0 unless the
+    variable names `region` and the round at `outer_step` is not before the one it names."""
+    name, _, rest = os.environ.get(SLOW_REGION_ENV_VAR, "").partition(":")
+    seconds, _, first = rest.partition(":")
+    return float(seconds) if name == region and seconds and outer_step >= int(first or 0) else 0.0
 
 
 def status(line: str) -> None:
@@ -192,7 +194,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         if sync_actor is not None:
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
                 sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
-            time.sleep(test_slowdown(region))
+            time.sleep(test_slowdown(region, outer_step))
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
                 outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress()))

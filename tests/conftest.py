@@ -2,6 +2,9 @@
 
 import dataclasses
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -138,3 +141,42 @@ def assert_gone(pids: list[int], timeout: float = 15) -> None:
         time.sleep(0.5)
     left = [p for p in pids if alive(p)]
     assert not left, f"processes of the run still alive {timeout}s after it ended: {left}"
+
+
+def driver_env(**extra):
+    """This process's environment for a driver of its own (never attached to a Ray another test points at)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+class Driver:
+    """`ray-diloco train` in a process of its own; its output is read as it comes."""
+
+    def __init__(self, argv, env):
+        self.process = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", *argv], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def wait_for_line(self, text, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return
+            assert self.process.poll() is None, "driver ended early:\n" + "".join(self.lines[-40:])
+            time.sleep(0.2)
+        raise AssertionError(f"no line with {text!r} within {timeout}s:\n" + "".join(self.lines[-40:]))
+
+    def stop(self):
+        """SIGTERM, as `ray job stop` sends; returns the processes the driver had started just before."""
+        started = descendants(self.process.pid)
+        self.process.send_signal(signal.SIGTERM)
+        return started
+
+    def output(self):
+        return "".join(self.lines)

@@ -32,6 +32,7 @@ from ray_diloco.sync.outer import OuterOptimizer, state_digest, weighted_average
 from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
 
 POLL = 0.5  # as ray_diloco.sync.membership.POLL_SECONDS
+REPUBLISH = 1.0  # as ray_diloco.sync.membership.REPUBLISH_SECONDS
 TRANSFER = 0.2  # seconds an all-reduce of the tiny tensors takes once the group formed
 COMPRESSION = "scaled-fp16"
 
@@ -51,6 +52,7 @@ class Rules:
     dht_errors_fatal: bool = False  # a DHT read that fails ends the region
     outer_step: Callable[[OuterOptimizer, dict, str], None] = default_outer_step
     blocking_time_deadline: bool = True  # overlap: the deadline counts from when the region would be in if blocking
+    wall_clock_ready: bool = False  # (before issue 22) a record carried the wall-clock time its region was ready
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class RegionPlan:
     restarts: tuple[float, ...] = ()  # the worker group restarts (Ray Train) at these times
     dht_down: tuple[tuple[float, float], ...] = ()  # intervals in which this region's DHT calls fail
     cpu: str = "default"  # the kernel path of the host of its SyncActor
+    clock_offset: float = 0.0  # its host's clock reads clock_offset + (1 + clock_drift) * simulated time
+    clock_drift: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -209,10 +213,19 @@ class Simulator:
     def _dht_down(self, name: str) -> bool:
         return any(a <= self.now < b for a, b in self.regions[name].plan.dht_down)
 
+    def clock(self, name: str, at: float | None = None) -> float:
+        """What region `name`'s host clock reads at simulated time `at` (default: now)."""
+        plan = self.regions[name].plan
+        return plan.clock_offset + (1.0 + plan.clock_drift) * (self.now if at is None else at)
+
     def read(self, name: str) -> list[StateRecord] | None:
         if self._dht_down(name):
             return None
-        return [rec for rec, expires in self.dht.values() if expires > self.now]
+        records = [rec for rec, expires in self.dht.values() if expires > self.now]
+        if self.rules.wall_clock_ready:  # the reader compared the writer's clock with its own
+            records = [dataclasses.replace(r, waited=r.waited + self.clock(name) - self.clock(r.region))
+                       if r.phase == READY else r for r in records]
+        return records
 
     def _store(self, name: str, incarnation: int) -> None:
         """The sharer stores its newest record; if the DHT is down it tries again at the next refresh."""
@@ -230,8 +243,8 @@ class Simulator:
         self.served[region.plan.name] = (region.outer.step_count, region.digest, theta, momentum)
         self._store(region.plan.name, region.incarnation)
 
-    def _set_phase(self, region: _Region, phase: str, ready_since: float = 0.0) -> None:
-        region.published = dataclasses.replace(region.published, phase=phase, ready_since=ready_since)
+    def _set_phase(self, region: _Region, phase: str, waited: float = 0.0) -> None:
+        region.published = dataclasses.replace(region.published, phase=phase, waited=waited)
         self._store(region.plan.name, region.incarnation)
 
     def adopt(self, region: _Region, want: StateRecord) -> bool:
@@ -360,19 +373,21 @@ class Simulator:
                 overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
             before_round = (region.outer.step_count, region.digest,
                             {k: v.clone() for k, v in region.outer.global_state().items()})
-            result, ready = None, False
-            while True:  # as SyncActorImpl._rendezvous
+            result, said_ready, ready_at = None, None, {}
+            while True:  # as Membership._rendezvous: every time on this region's own clock
                 records = self.read(name)
                 if records is None and rules.dht_errors_fatal:
                     self.out.dead[name] = "DHT read failed before a round"
                     return
+                local_now, local_arrived = self.clock(name), self.clock(name, arrived)
+                ready_at = policy.ready_times(ready_at, records, local_now)
                 decision = rules.plan_round(rules.vote(region), records, target=s.target,
-                                            arrived=arrived, now=self.now, max_wait=s.max_wait,
-                                            fallback_expected=1)
+                                            arrived=local_arrived, now=local_now, max_wait=s.max_wait,
+                                            fallback_expected=1, ready_at=ready_at)
                 if isinstance(decision, policy.Adopt):
-                    if ready:
+                    if said_ready is not None:
                         self._set_phase(region, TRAINING)
-                        ready = False
+                        said_ready = None
                     if not self.adopt(region, decision.record):
                         yield POLL
                     elif rules.publish_adoption:
@@ -381,12 +396,15 @@ class Simulator:
                         yield POLL  # the old actor: the next decision reads the records again
                 elif isinstance(decision, policy.Finish):
                     break
-                elif not ready:
-                    self._set_phase(region, READY, ready_since=arrived)
+                elif said_ready is None:
+                    self._set_phase(region, READY, waited=local_now - local_arrived)
                     self.out.ready.append((region.outer.step_count, name, arrived))
-                    ready = True
+                    said_ready = local_now
                 elif isinstance(decision, policy.Wait):
-                    yield min(POLL, decision.deadline - self.now)
+                    if local_now - said_ready >= REPUBLISH:  # how long it has waited, again
+                        self._set_phase(region, READY, waited=local_now - local_arrived)
+                        said_ready = local_now
+                    yield min(POLL, (decision.deadline - local_now) / (1.0 + plan.clock_drift))
                 else:
                     asked = self.now
                     result = yield _Request(name, region.outer.step_count, delta, 1.0, decision.expected,
@@ -423,7 +441,8 @@ class Simulator:
         ended = self.now
         while True:
             decision = self.rules.settle_at_end(self.rules.vote(region), self.read(region.plan.name),
-                                                target=self.s.target, ended=ended, now=self.now,
+                                                target=self.s.target, ended=self.clock(region.plan.name, ended),
+                                                now=self.clock(region.plan.name),
                                                 max_wait=self.s.max_wait)
             if isinstance(decision, policy.Finish):
                 if not decision.settled:

@@ -97,11 +97,26 @@ def test_plan_round_adopts_first_and_never_overshoots_the_target():
 
 
 def test_plan_round_has_one_deadline_per_round_the_earliest_ready_regions():
-    """a ready since 0, b since 20, c not ready: both run at a's deadline (30) with each other, not b alone at 50."""
-    a, b, c = R("a", 4, "d", 2, READY, ready_since=0.0), R("b", 4, "d", 2, READY, ready_since=20.0), R("c", 4, "d", 2)
-    assert plan(b, [a, b, c], arrived=20.0, now=25.0) == Wait(30.0, ("c",))
-    assert plan(b, [a, b, c], arrived=20.0, now=30.0) == Run(2, absent=("c",))
-    assert plan(a, [a, b, c], arrived=0.0, now=30.0) == Run(2, absent=("c",))
+    """a ready since 0, b since 20, c not ready: both run at a's deadline (30) with each other, not b alone at 50.
+    A ready region's record says how long it has waited when it was published (`waited`)."""
+    def ready(name, since, now):
+        return R(name, 4, "d", 2, READY, waited=now - since)
+
+    c = R("c", 4, "d", 2)
+    assert plan(ready("b", 20, 25), [ready("a", 0, 25), ready("b", 20, 25), c], arrived=20.0, now=25.0) == \
+        Wait(30.0, ("c",))
+    assert plan(ready("b", 20, 30), [ready("a", 0, 30), ready("b", 20, 30), c], arrived=20.0, now=30.0) == \
+        Run(2, absent=("c",))
+    assert plan(ready("a", 0, 30), [ready("a", 0, 30), ready("b", 20, 30), c], arrived=0.0, now=30.0) == \
+        Run(2, absent=("c",))
+
+
+def test_plan_round_needs_no_shared_clock():
+    """The same round seen from b, whose clock reads 1000 s more and whose a-record is a second old: b's deadline
+    is a's, placed on b's clock from what a published, one second late at most."""
+    a_published = R("a", 4, "d", 2, READY, waited=24.0)  # at time 24 on a's clock, read by b one second later
+    b = R("b", 4, "d", 2, READY, waited=5.0)
+    assert plan(b, [a_published, b, R("c", 4, "d", 2)], arrived=1020.0, now=1025.0) == Wait(1031.0, ("c",))
 
 
 def test_plan_round_with_an_unreadable_dht_is_bounded():

@@ -34,6 +34,9 @@ from ray_diloco.sync.policy import READY, StateRecord
 EXAMPLES = int(os.environ.get("PROTOCOL_EXAMPLES", "300"))
 MAX_WAIT, MATCHMAKING, TTL = 30.0, 5.0, 20.0
 NAMES = ("a", "b", "c", "d")
+# Hosts' clocks: up to ±10 min apart, drifting up to 100 ppm (an unsynchronised quartz clock is ~10-50 ppm).
+CLOCK_OFFSETS = st.sampled_from([0.0, 0.0, -8.0, 8.0, -600.0, 600.0]) | st.floats(-600.0, 600.0)
+CLOCK_DRIFTS = st.sampled_from([0.0, 1e-4, -1e-4]) | st.floats(-1e-4, 1e-4)
 
 
 @st.composite
@@ -52,6 +55,7 @@ def region_plans(draw, name: str, faults: bool, crashes: bool = True) -> RegionP
         restarts=tuple(draw(st.lists(times, max_size=2))),
         dht_down=tuple((t, t + draw(st.floats(1.0, 40.0))) for t in draw(st.lists(times, max_size=2))),
         cpu=draw(st.sampled_from(["default", "avx2"])),
+        clock_offset=draw(CLOCK_OFFSETS), clock_drift=draw(CLOCK_DRIFTS),
     )
 
 
@@ -76,9 +80,11 @@ def skewed_schedules(draw) -> Schedule:
     region is slower than that by far."""
     base = draw(st.floats(20.0, 60.0))
     n = draw(st.integers(2, 4))
-    plans = [RegionPlan(NAMES[i], base + draw(st.floats(0.0, MAX_WAIT - 2 * 0.5 - 1.0))) for i in range(n)]
+    plans = [RegionPlan(NAMES[i], base + draw(st.floats(0.0, MAX_WAIT - 2 * 0.5 - 1.0)),
+                        clock_offset=draw(CLOCK_OFFSETS), clock_drift=draw(CLOCK_DRIFTS)) for i in range(n)]
     if draw(st.booleans()):
-        plans.append(RegionPlan(SLOWEST, base + draw(st.floats(MAX_WAIT + 5.0, 3 * MAX_WAIT))))
+        plans.append(RegionPlan(SLOWEST, base + draw(st.floats(MAX_WAIT + 5.0, 3 * MAX_WAIT)),
+                                clock_offset=draw(CLOCK_OFFSETS)))
     return Schedule(tuple(plans), target=draw(st.integers(2, 6)), max_wait=MAX_WAIT, matchmaking=MATCHMAKING,
                     ttl=TTL)
 
@@ -160,7 +166,8 @@ def plan_without_end_check(own, records, *, target, **kwargs):  # fault 2: a rou
     return policy.plan_round(own, records, target=10**9, **kwargs)
 
 
-def plan_in_the_matchmaking_window(own, records, *, target, arrived, now, max_wait, fallback_expected):
+def plan_in_the_matchmaking_window(own, records, *, target, arrived, now, max_wait, fallback_expected,
+                                   ready_at=None):
     """Fault 5: no readiness: every live region is expected at once and the matchmaking window decides."""
     if own.outer_step >= target:
         return policy.Finish()
@@ -172,11 +179,11 @@ def plan_in_the_matchmaking_window(own, records, *, target, arrived, now, max_wa
     return policy.Run(len({r.region for r in records} | {own.region}))
 
 
-def plan_with_own_deadlines(own, records, *, target, arrived, now, max_wait, fallback_expected):
+def plan_with_own_deadlines(own, records, *, target, arrived, now, max_wait, fallback_expected, ready_at=None):
     """The first readiness rendezvous: each region's deadline counted from its own arrival (review found the
     first ready region then runs while the others still wait for a straggler, and its group never fills)."""
-    if records is not None:
-        records = [dataclasses.replace(r, ready_since=arrived) for r in records]
+    if records is not None:  # every other region ready when we were (ready_at, the estimates, left out)
+        records = [dataclasses.replace(r, waited=now - arrived) for r in records]
     return policy.plan_round(own, records, target=target, arrived=arrived, now=now, max_wait=max_wait,
                              fallback_expected=fallback_expected)
 
@@ -209,6 +216,7 @@ OLD_RULES = {
     "5 persistent skew: regions never average": (Rules(plan_round=plan_in_the_matchmaking_window), None),
     "6 the outer step depends on the CPU kernel": (Rules(outer_step=fused_outer_step), schedules()),
     "review: one deadline per region, not per round": (Rules(plan_round=plan_with_own_deadlines), None),
+    "issue 22: readiness compared the wall clocks of different hosts": (Rules(wall_clock_ready=True), None),
     "overlap: the deadline counts from an overlapped region's hand-in": (
         Rules(blocking_time_deadline=False), "overlapped skew"),
 }

@@ -115,7 +115,7 @@ def test_the_exported_state_is_the_canonical_one_not_the_first_regions():
     def stats(region, step, digest, group, phase="training"):
         return {"region": region, "outer_step": step, "digest": digest,
                 "record": {"region": region, "outer_step": step, "digest": digest, "group_size": group,
-                           "phase": phase, "ready_since": 0.0}}
+                           "phase": phase, "waited": 0.0}}
 
     # The highest step wins (the others would re-sync to it), even when it is not the first region...
     assert canonical_index([stats("a", 3, "x", 1), stats("b", 4, "y", 2)]) == 1

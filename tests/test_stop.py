@@ -12,15 +12,12 @@
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 import yaml
 
-from conftest import assert_gone, descendants
+from conftest import Driver, assert_gone, driver_env
 from ray_diloco.cli import main
 from ray_diloco.config import ConfigError, ExperimentConfig
 from ray_diloco.stopping import RunStop, RunStopped
@@ -102,44 +99,6 @@ def test_a_job_stop_wait_shorter_than_the_stop_is_refused_before_ray_starts(monk
     assert "not a whole number of seconds" in capsys.readouterr().err
 
 
-def _env(**extra):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-class Driver:
-    """`ray-diloco train` in a process of its own; its output is read as it comes."""
-
-    def __init__(self, argv, env):
-        self.process = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", *argv], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    def wait_for_line(self, text, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(text in line for line in self.lines):
-                return
-            assert self.process.poll() is None, "driver ended early:\n" + "".join(self.lines[-40:])
-            time.sleep(0.2)
-        raise AssertionError(f"no line with {text!r} within {timeout}s:\n" + "".join(self.lines[-40:]))
-
-    def stop(self):
-        """SIGTERM, as `ray job stop` sends; returns the processes the driver had started just before."""
-        started = descendants(self.process.pid)
-        self.process.send_signal(signal.SIGTERM)
-        return started
-
-    def output(self):
-        return "".join(self.lines)
-
-
 def test_a_region_that_never_reaches_a_boundary_is_aborted_at_the_stop_timeout(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
@@ -147,7 +106,7 @@ def test_a_region_that_never_reaches_a_boundary_is_aborted_at_the_stop_timeout(t
         "run": {"stop_timeout_seconds": 20, "outer_steps": 50, "checkpoint_every": 1},
         "inner": {"warmup_steps": 2}}))
     driver = Driver(["--config", str(config), "--regions", "2", "--run-name", "aborted", "--output-dir",
-                     str(tmp_path)], _env(**{SLOW_REGION_ENV_VAR: "region-b:600"}))  # b never gets past step 3
+                     str(tmp_path)], driver_env(**{SLOW_REGION_ENV_VAR: "region-b:600"}))  # b never gets past step 3
     driver.wait_for_line("[region-a] outer step 1/50 synced", timeout=240)
     started = driver.stop()
     stopped_at = time.monotonic()
@@ -168,7 +127,7 @@ def test_a_region_that_never_reaches_a_boundary_is_aborted_at_the_stop_timeout(t
 
 
 def test_a_sigterm_during_start_up_ends_the_driver_in_one_line_leaving_nothing(tmp_path):
-    driver = Driver(["--run-name", "early", "--output-dir", str(tmp_path)], _env())
+    driver = Driver(["--run-name", "early", "--output-dir", str(tmp_path)], driver_env())
     driver.wait_for_line("[driver] started a private local Ray", timeout=120)
     started = driver.stop()
     code = driver.process.wait(timeout=60)

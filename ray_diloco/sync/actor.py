@@ -94,6 +94,8 @@ class SyncActorImpl(Membership, Rounds):
         self.averager = self.sharer = None
         self._connected: set[str] = set()  # regions whose peer file we dialled successfully
         self._peers_read = 0.0  # when we last read the peer files
+        self._stored: dict = {}  # region -> durable.StoredRecord: the records kept in the run's storage
+        self._stored_read = 0.0  # when we last read them
         if self.expected_regions == 1 and not bootstrap:  # a DHT is only needed across regions
             return
         from ray_diloco.sync.state_sharing import StateSharer
@@ -125,6 +127,7 @@ class SyncActorImpl(Membership, Rounds):
         self._handed_back = self._round_ended = time.perf_counter()  # the workers' last start, the last round's end
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
+        self._phase_failing = False  # the last publish of our phase failed
         self.history: list[dict] = []
         self.bytes_sent = self.bytes_received = 0
         self.sync_seconds = 0.0
@@ -243,13 +246,16 @@ class SyncActorImpl(Membership, Rounds):
         if outer_step != self.outer.step_count:
             raise RuntimeError(f"[{self.region}] commit of outer step {outer_step}, but the outer state is at "
                                f"step {self.outer.step_count}")
-        step, theta, momentum = self._snapshot()
+        (step, theta, momentum), digest = self._snapshot(), self._digest  # no await between: one state
         checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=self.progress,
                                      worker_checkpoint=worker_checkpoint, tokens=self.tokens,
                                      config_yaml=self.config.to_yaml())
         # Off the event loop: other regions' calls (state sharing) go on while the files are written.
         location = await asyncio.get_running_loop().run_in_executor(None, self.store.save, checkpoint)
         self.committed = (step, worker_checkpoint)
+        if self.sharer is not None:  # a region starting after our driver is gone can join from it
+            record = StateRecord(self.region, step, digest, 0)
+            await asyncio.get_running_loop().run_in_executor(None, self._keep_in_storage, record, location)
         metrics.safely(metrics.record_checkpoint, self.config.run.name, self.region, outer_step=step)
         logger.info("[%s] checkpoint of outer step %d committed: %s", self.region, step, location)
         return location

@@ -4,8 +4,11 @@ digest of θ_global, phase) and serves its state, reads the others' records, and
 settle at the end. Also how it finds the other regions: its peer file in the run's storage, and theirs.
 
 `Membership` is the part of `SyncActorImpl` (actor.py) that does this; it uses the actor's `config`, `region`,
-`outer`, `_digest`, `sharer`, `averager`, `_published`, `_connected`, `_peers_read`, `_state_lock` and
-`record_event`, all set in `SyncActorImpl.__init__`.
+`outer`, `shapes`, `_digest`, `sharer`, `averager`, `_published`, `_connected`, `_peers_read`, `_stored`,
+`_stored_read`, `_dht_failing`, `_phase_failing`, `_state_lock` and `record_event`, all set in `SyncActorImpl.__init__`.
+
+Besides the DHT, each region keeps its record and state in the run's storage (`durable.py`): the last committed
+one, and the final one. A region whose driver is gone is known from those: its final state is taken from there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from ray_diloco import metrics
-from ray_diloco.sync import peers, policy
+from ray_diloco.sync import durable, peers, policy
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
 from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
 
@@ -45,6 +48,7 @@ def poll(attempt: Callable[[], T | Again]) -> T:
             return outcome
         if outcome.seconds > 0:
             time.sleep(outcome.seconds)
+REPUBLISH_SECONDS = 1.0  # how often a waiting region publishes how long it has waited
 PEER_FILES_SECONDS = 5.0  # how often it reads the other regions' peer files (storage listings cost more)
 
 
@@ -94,40 +98,97 @@ class Membership:
         except Exception as error:
             self.record_event("dht_error", during="publishing the state record", error=repr(error)[:300])
 
-    def _set_phase_safely(self, phase: str, ready_since: float = 0.0) -> None:
+    def _set_phase_safely(self, phase: str, waited: float = 0.0) -> None:
+        """Publish our phase; a failure is one event per outage (a waiting region publishes every second)."""
         try:
-            self.sharer.set_phase(phase, ready_since)
-            self._published = dataclasses.replace(self._published, phase=phase, ready_since=ready_since)
+            self.sharer.set_phase(phase, waited)
+            self._published = dataclasses.replace(self._published, phase=phase, waited=waited)
+            self._phase_failing = False
         except Exception as error:
-            self.record_event("dht_error", during=f"publishing phase {phase}", error=repr(error)[:300])
+            if not self._phase_failing:
+                self.record_event("dht_error", during=f"publishing phase {phase}", error=repr(error)[:300])
+            self._phase_failing = True
 
     def _read_records(self) -> list[StateRecord] | None:
-        """The live records of the run, None if the DHT did not answer in time (the policy then waits). One
-        event per outage, not one per poll."""
+        """The live records of the run and the stored final ones of regions without a live record; None if the
+        DHT did not answer in time and storage has none (the policy then waits). One event per outage, not
+        one per poll."""
         self._dial_peer_files()  # a region that started at the same moment as we did may have appeared
+        stored = self._stored_records(finals_only=True)
         try:
             records = self.sharer.records()
         except Exception as error:
             if not self._dht_failing:
                 self.record_event("dht_error", during="reading state records", error=repr(error)[:300])
             self._dht_failing = True
-            return None
+            return policy.with_stored(None, stored)
         if self._dht_failing:
             self._dht_failing = False
             self.record_event("dht_recovered")
-        return records
+        return policy.with_stored(records, stored)
+
+    def _stored_records(self, finals_only: bool) -> list[StateRecord]:
+        """The other regions' records kept in the run's storage, read at most every few seconds (listing a bucket
+        costs more than reading the DHT). finals_only: those of regions that finished this run."""
+        if time.monotonic() - self._stored_read >= PEER_FILES_SECONDS:
+            self._stored_read = time.monotonic()
+            try:
+                self._stored = durable.read_records(self.config.run.states_dir())
+            except Exception as error:  # storage unreachable: decide from the DHT alone meanwhile
+                logger.warning("[%s] reading the stored state records failed: %r", self.region, error)
+        target = self.config.run.outer_steps
+        return [stored.record for region, stored in sorted(self._stored.items())
+                if region != self.region and (not finals_only or durable.finished(stored, target))]
+
+    def _keep_in_storage(self, record: StateRecord, location: str) -> None:
+        """Our record in the run's storage, pointing at the committed state behind it."""
+        try:
+            durable.write_record(self.config.run.states_dir(), durable.StoredRecord(record, location))
+        except Exception as error:
+            self.record_event("storage_error", during=f"storing the record of step {record.outer_step}",
+                              error=repr(error)[:300])
+
+    def _keep_final_state(self) -> None:
+        """Our final state and its record in the run's storage: a region that arrives after our driver is gone
+        takes it from there."""
+        step, theta, momentum = self._snapshot()
+        record = StateRecord(self.region, step, self._digest, self._published.group_size, FINISHED)
+        try:
+            location = durable.save_final_state(self.config.run.states_dir(), self.region, step, theta, momentum,
+                                                self.config.to_yaml())
+        except Exception as error:
+            self.record_event("storage_error", during="keeping the final state", error=repr(error)[:300])
+            return
+        self._keep_in_storage(record, location)
 
     def _adopt(self, want, kind: str) -> bool:
-        """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord)."""
-        state = self.sharer.load_from_peers(want, timeout=self.config.outer.averaging_timeout)
+        """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord), or from the run's
+        storage where `want` is a stored record (its region's driver may be gone)."""
+        state, source = self.sharer.load_from_peers(want, timeout=self.config.outer.averaging_timeout), want.region
+        if state is None:
+            state, source = self._load_stored(want), "storage"
         if state is None:
             self.record_event(f"{kind}_failed", wanted_step=want.outer_step, wanted_digest=want.digest)
             return False
         old_step = self.outer.step_count
         self._set_state(*state)
         self.record_event(kind, from_step=old_step, to_step=self.outer.step_count, digest=self._digest,
-                          source=want.region)
+                          source=source)
         return True
+
+    def _load_stored(self, want: StateRecord):
+        """`want`'s state from the run's storage: from its region's stored record, else from another region's
+        stored record of the same step and digest. None if none can be read and matches its record (each
+        rejected one counted in an event)."""
+        holders = sorted((stored for stored in self._stored.values()
+                          if (stored.record.outer_step, stored.record.digest) == (want.outer_step, want.digest)),
+                         key=lambda stored: (stored.record.region != want.region, stored.record.region))
+        for stored in holders:
+            try:
+                return durable.load_state(stored, self.shapes)
+            except Exception as error:  # unreadable, or not the state its record names: never loaded
+                self.record_event("stored_state_rejected", location=stored.location, error=repr(error)[:300])
+        return None
 
     def _set_state(self, step: int, theta: dict, momentum: dict) -> None:
         """Replace the outer state at once (it may run in an executor thread while `resume_state` reads)."""
@@ -142,45 +203,50 @@ class Membership:
 
     def _join_if_behind(self) -> None:
         """A region starting mid-run takes the run's state before its workers take their first step."""
-        records = self._read_records() or []
+        records = policy.with_stored(self._read_records(), self._stored_records(finals_only=False)) or []
         own = StateRecord(self.region, self.outer.step_count, self._digest, 0)
         target = policy.join_target(own, records)
         if target is not None:
             self._adopt(target, "region_joined")
 
     def _rendezvous(self, arrived: float) -> policy.Run | policy.Finish:
-        """Our workers wait on this round from `arrived` (wall clock: other regions count the round's deadline from
-        it; now, or with outer.overlap one window later, when they hand in the next):
-        follow the policy until it says run a round (with whom) or finish. We say we are ready only while we
-        hold the state we will average from (a region seen ready while it still loads a peer's state would make
-        the others' group wait for it in matchmaking). A state that cannot be loaded is tried until the round's
-        deadline plus one download; then the region goes alone and the next round re-syncs."""
+        """Our workers wait on this round from `arrived` (our monotonic clock: now, or with outer.overlap one
+        window later, when they hand in the next): follow the policy until it says run a round (with whom) or
+        finish. We say we are ready only while we hold the state we will average from (a region seen ready while
+        it still loads a peer's state would make the others' group wait for it in matchmaking), and say again how
+        long we have waited every REPUBLISH_SECONDS (the others place our readiness on their clocks from it). A
+        state that cannot be loaded is tried until the round's deadline plus one download; then the region goes
+        alone and the next round re-syncs."""
         outer = self.config.outer
         give_up = arrived + outer.max_wait_seconds + outer.averaging_timeout
-        ready = False
+        said_ready = None  # when we last published READY (monotonic), None while we are not ready
+        ready_at: dict = {}  # when the others became ready, on our clock (policy.ready_times)
 
         def attempt() -> policy.Run | policy.Finish | Again:
-            nonlocal ready
+            nonlocal said_ready, ready_at
+            records, now = self._read_records(), time.monotonic()
+            ready_at = policy.ready_times(ready_at, records, now)
             decision = policy.plan_round(
-                self._published, self._read_records(), target=self.config.run.outer_steps, arrived=arrived,
-                now=time.time(), max_wait=outer.max_wait_seconds,
+                self._published, records, target=self.config.run.outer_steps, arrived=arrived, now=now,
+                max_wait=outer.max_wait_seconds, ready_at=ready_at,
                 fallback_expected=1)  # the DHT is unreadable: nobody could see us ready either
             if isinstance(decision, policy.Adopt):
-                if ready:
+                if said_ready is not None:
                     self._set_phase_safely(TRAINING)
-                    ready = False
+                    said_ready = None
                 if self._adopt(decision.record, "resync"):
                     self._publish_safely(0)
                     return Again(0.0)
-                return policy.Run(1) if time.time() > give_up else Again(POLL_SECONDS)
+                return policy.Run(1) if time.monotonic() > give_up else Again(POLL_SECONDS)
             if isinstance(decision, policy.Finish):
                 return decision
-            if not ready:
-                self._set_phase_safely(READY, ready_since=arrived)
-                ready = True
-                return Again(0.0)
+            if said_ready is None or (isinstance(decision, policy.Wait) and now - said_ready >= REPUBLISH_SECONDS):
+                self._set_phase_safely(READY, waited=now - arrived)
+                first, said_ready = said_ready is None, now
+                if first:
+                    return Again(0.0)
             if isinstance(decision, policy.Wait):
-                return Again(max(0.0, min(POLL_SECONDS, decision.deadline - time.time())))
+                return Again(max(0.0, min(POLL_SECONDS, decision.deadline - time.monotonic())))
             return decision
 
         return poll(attempt)
@@ -206,6 +272,7 @@ class Membership:
                 self.record_event("unsettled_at_end", why="the DHT did not answer, or the canonical state "
                                                           "could not be loaded, in time")
             self._set_phase_safely(FINISHED)
+            self._keep_final_state()
             return True
 
         poll(attempt)

@@ -17,27 +17,16 @@ import time
 
 import pyarrow.fs as pafs
 
-from ray_diloco.checkpoint import join
 from ray_diloco.data.files import resolve_filesystem
+from ray_diloco.sync.durable import write_atomically
 
 logger = logging.getLogger(__name__)
 
 
 def write_peer_file(directory: str, region: str, maddrs: list[str]) -> str:
     """Write (replace) this region's multiaddrs. Returns the file's location."""
-    fs, path = resolve_filesystem(directory)
-    fs.create_dir(path, recursive=True)
     payload = json.dumps({"region": region, "multiaddrs": maddrs, "written": time.time()}).encode()
-    target = join(path, f"{region}.json")
-    if isinstance(fs, pafs.LocalFileSystem):  # readers never see half a file: write aside, then rename
-        temporary = join(path, f".{region}.json.tmp")
-        with fs.open_output_stream(temporary) as stream:
-            stream.write(payload)
-        fs.move(temporary, target)
-    else:  # object stores make an object visible only once its upload completed
-        with fs.open_output_stream(target) as stream:
-            stream.write(payload)
-    return join(directory, f"{region}.json")
+    return write_atomically(directory, f"{region}.json", payload)
 
 
 def read_peer_files(directory: str, exclude: str) -> dict[str, list[str]]:

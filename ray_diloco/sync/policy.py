@@ -15,14 +15,25 @@ window; a region steadily slower than that window went alone every round and the
 rest of the run. A longer window would make every round wait its full length whenever a region is gone. So a
 region that is ready says so in its record, and `plan_round` waits for exactly the live regions that are not
 ready yet, up to `max_wait_seconds` after the earliest ready region's workers came in (its own, or an earlier
-`ready_since` among the records: every ready region reads the same records and so runs at the same moment with
-the same group), then asks Hivemind for a group of the ready ones, which fills at once. Skew up to `max_wait_seconds` costs only the skew; a dead region costs at most its
-record's lifetime; nothing waits without a bound. (An adaptive deadline from observed lags was the other
-option: it needs history, still guesses, and a region that joins or slows down breaks its estimate.)
+one among the records: every ready region reads the same records and so runs at about the same moment with
+the same group), then asks Hivemind for a group of the ready ones, which fills at once. Skew up to
+`max_wait_seconds` costs only the skew; a dead region costs at most its record's lifetime; nothing waits
+without a bound. (An adaptive deadline from observed lags was the other option: it needs history, still
+guesses, and a region that joins or slows down breaks its estimate.)
+
+No shared clock. Regions run on hosts whose clocks differ (by minutes, and drifting), so a record carries no
+time of day: a ready region publishes how long it has waited (`waited`, measured on its own monotonic clock)
+and publishes it again while it waits, and a reader places that moment on its own clock as `now - waited`. A
+record read some time after it was published gives a later moment than the true one, so the reader keeps the
+earliest estimate it has seen (`ready_times`): one read soon after a republish pins it within about a second,
+and a record that is no longer republished (its region is averaging) does not push the deadline back. Ready
+regions so run within about a second of each other, well inside the matchmaking window. Every time `plan_round`
+compares is on the calling region's monotonic clock.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -40,7 +51,7 @@ class StateRecord:
     digest: str  # state_digest(θ_global)
     group_size: int  # regions in the round that produced it (0: initial or adopted, 1: alone or failed mid-round)
     phase: str = TRAINING
-    ready_since: float = 0.0  # READY: when its workers came in (wall clock): the round's deadline counts from it
+    waited: float = 0.0  # READY: seconds since its workers came in, on its own clock, when it published this
 
 
 def parse_record(region: str, value: dict) -> StateRecord:
@@ -48,7 +59,17 @@ def parse_record(region: str, value: dict) -> StateRecord:
     Raises ValueError (or TypeError, KeyError) on a malformed one; an unknown phase counts as TRAINING."""
     phase = str(value.get("phase", TRAINING))
     return StateRecord(str(region), int(value["outer_step"]), str(value["digest"]), int(value["group_size"]),
-                       phase if phase in PHASES else TRAINING, float(value.get("ready_since", 0.0)))
+                       phase if phase in PHASES else TRAINING, float(value.get("waited", 0.0)))
+
+
+def with_stored(live: list[StateRecord] | None, stored: list[StateRecord]) -> list[StateRecord] | None:
+    """The records a region decides from: the live ones (the DHT's) and, for each region without a live record,
+    the one it kept in the run's storage (`ray_diloco.sync.durable`: its driver may be gone, and its DHT record
+    with it). A live record wins: it is newer. None (the DHT did not answer) stays None if storage has none."""
+    if live is None and not stored:
+        return None
+    regions = {r.region for r in live or []}
+    return list(live or []) + [r for r in stored if r.region not in regions]
 
 
 def choose_canonical(records: list[StateRecord]) -> StateRecord | None:
@@ -104,13 +125,28 @@ class Finish:
 Decision = Run | Adopt | Wait | Finish
 
 
+def ready_times(seen: dict[tuple[str, int], float], records: list[StateRecord] | None,
+                now: float) -> dict[tuple[str, int], float]:
+    """When each ready region became ready for its round, on the reader's clock: (region, outer step) -> the
+    earliest `now - waited` read so far (a later read of a record gives a later estimate, never an earlier one)."""
+    times = dict(seen)
+    for r in records or []:
+        if r.phase == READY:
+            key = (r.region, r.outer_step)
+            times[key] = min(times.get(key, math.inf), now - r.waited)
+    return times
+
+
 def plan_round(own: StateRecord, records: list[StateRecord] | None, *, target: int, arrived: float,
-               now: float, max_wait: float, fallback_expected: int) -> Decision:
+               now: float, max_wait: float, fallback_expected: int,
+               ready_at: dict[tuple[str, int], float] | None = None) -> Decision:
     """What a region whose workers' shards are all in (since `arrived`) does next.
 
     records: the live records (ours among them or not), None if the DHT did not answer; then the region waits
     for it until `arrived + max_wait` and averages with `fallback_expected` regions after that (the SyncActor
     passes 1: with the DHT unreadable nobody could have seen it ready, so it goes alone).
+    `arrived` and `now` are on this region's own monotonic clock; other regions' readiness is placed on it by
+    `ready_at` (`ready_times`), else from their `waited` as read now (see "No shared clock").
     """
     if own.outer_step >= target:  # first: even with the DHT unreadable, never a round past the last step
         return Finish()
@@ -125,7 +161,8 @@ def plan_round(own: StateRecord, records: list[StateRecord] | None, *, target: i
     # One deadline per round, the earliest ready region's: every ready region reads the same records, so all of
     # them run at the same moment with the same group (each at its own deadline, the first would run while the
     # others still wait for a straggler, and its group would never fill).
-    deadline = min([arrived] + [r.ready_since for r in ready]) + max_wait
+    ready_at = ready_at or {}
+    deadline = min([arrived] + [ready_at.get((r.region, r.outer_step), now - r.waited) for r in ready]) + max_wait
     waiting_on = tuple(sorted(r.region for r in others
                               if not (r.outer_step == own.outer_step and r.phase in (READY, OUT))))
     if not waiting_on:

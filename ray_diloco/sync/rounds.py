@@ -58,7 +58,7 @@ class Rounds:
             return await self._skip_nonfinite_round(bad, pending, start)
         expected = 1
         if self.sharer is not None:
-            decision = await self._in_executor(self._rendezvous, time.time() + pending.idle_after)
+            decision = await self._in_executor(self._rendezvous, time.monotonic() + pending.idle_after)
             if isinstance(decision, policy.Finish):
                 # Re-synced to the run's last step (the others finished without us): a round now would apply
                 # our stale Δ alone and end past T with a θ_global nobody else holds.

@@ -128,7 +128,7 @@ class StateSharer:
     def _record_value(self) -> dict:
         r = self._record
         return dict(outer_step=r.outer_step, digest=r.digest, group_size=r.group_size, phase=r.phase,
-                    ready_since=r.ready_since, peer_id=self.peer_id.to_base58())
+                    waited=r.waited, peer_id=self.peer_id.to_base58())
 
     def _refresh_periodically(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -160,15 +160,15 @@ class StateSharer:
                 self._served = served
             self._store_locked(self._record_value())
 
-    def set_phase(self, phase: str, ready_since: float = 0.0) -> None:
-        """Store our record again with another phase (ready to average since `ready_since`, sitting out,
-        finished): the served state stays."""
+    def set_phase(self, phase: str, waited: float = 0.0) -> None:
+        """Store our record again with another phase (ready to average, having waited `waited` seconds; sitting
+        out; finished): the served state stays."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} is not one of {PHASES}")
         with self._lock:
             if self._record is None:
                 raise RuntimeError(f"[{self.region}] nothing published yet")
-            self._record = dataclasses.replace(self._record, phase=phase, ready_since=ready_since)
+            self._record = dataclasses.replace(self._record, phase=phase, waited=waited)
             self._store_locked(self._record_value())
 
     def _holders(self) -> list[tuple[StateRecord, PeerID]]:

@@ -1,0 +1,69 @@
+"""Regions whose drivers live and die apart (one Ray cluster per region): the run's final state outlives the
+driver that made it.
+
+Real processes: three `ray-diloco train --local-regions <region>` drivers, each with a private Ray of its own, a
+local directory standing for the bucket the clusters share.
+- a and b start together; b is late for the last round (its workers sleep before the exchange of round 1) long
+  enough: a runs that round alone, finishes and its driver exits, its DHT record gone. b then
+  arrives and must end on a's final θ_global, taken from the run's storage (before: it ran the round alone and
+  finished "settled" on another state, saying nothing).
+- c's driver starts after both have finished, with a's stored final state corrupted: it must reject that one (the
+  digest check), take b's (the same state), train nothing and end on the same θ_global.
+"""
+
+import json
+
+import torch
+import yaml
+
+from conftest import Driver, driver_env
+from ray_diloco.worker import SLOW_REGION_ENV_VAR
+
+T = 2
+
+
+def run_config(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "regions": [{"name": name, "workers": 1} for name in ("a", "b", "c")],
+        "outer": {"inner_steps": 2, "max_wait_seconds": 3, "matchmaking_seconds": 1, "averaging_timeout": 10},
+        "run": {"name": "late", "outer_steps": T, "output_dir": str(tmp_path), "stop_timeout_seconds": 60},
+        "inner": {"warmup_steps": 1}}))
+    return str(config)
+
+
+def finish(driver: Driver, timeout: float) -> str:
+    code = driver.process.wait(timeout=timeout)
+    out = driver.output()
+    assert code == 0, out[-4000:]
+    return out
+
+
+def test_a_late_region_and_one_started_after_the_run_take_the_final_state_from_storage(tmp_path):
+    config = run_config(tmp_path)
+    env = driver_env(**{SLOW_REGION_ENV_VAR: "b:60:1"})  # b's last exchange: 60 s late, after a's driver exited
+    a, b = (Driver(["--config", config, "--local-regions", region], env) for region in ("a", "b"))
+    finish(a, timeout=400)
+    out_b = finish(b, timeout=400)
+    results = tmp_path / "late"
+    summary = {region: json.loads((results / f"summary-{region}.json").read_text()) for region in ("a", "b")}
+    final = summary["a"]["global_digest"]["a"]
+    assert [r["outer_step"] for r in summary["a"]["rounds"]["a"]][-1] == T - 1  # a ran the last round alone
+    assert summary["b"]["global_digest"]["b"] == final, out_b[-4000:]
+    assert summary["b"]["finished_elsewhere"] == {"a": final} and not summary["b"]["unsettled"]
+    took = [e for e in summary["b"]["events"] if e["event"] in ("resync", "settled_at_end")]
+    assert took and took[0]["source"] == "storage" and took[0]["digest"] == final, summary["b"]["events"]
+
+    # a's stored final state no longer matches its record: c rejects it and takes b's.
+    stored = tmp_path / "late" / "states" / "a" / f"outer-{T:06d}" / "outer_state.pt"
+    state = torch.load(stored, weights_only=True)
+    first = sorted(state["theta"])[0]
+    state["theta"][first] = state["theta"][first] + 1.0
+    torch.save(state, stored)
+    c = Driver(["--config", config, "--local-regions", "c"], env)
+    out_c = finish(c, timeout=400)
+    summary_c = json.loads((results / "summary-c.json").read_text())
+    assert summary_c["global_digest"]["c"] == final and not summary_c["unsettled"], out_c[-4000:]
+    events = [e["event"] for e in summary_c["events"]]
+    assert "stored_state_rejected" in events and "region_joined" in events, summary_c["events"]
+    assert summary_c["rounds"]["c"] == []  # it trained nothing: the run was over
