@@ -53,6 +53,7 @@ class Rules:
     outer_step: Callable[[OuterOptimizer, dict, str], None] = default_outer_step
     blocking_time_deadline: bool = True  # overlap: the deadline counts from when the region would be in if blocking
     wall_clock_ready: bool = False  # (before issue 22) a record carried the wall-clock time its region was ready
+    stored_finals: bool = True  # a finished region's final state stays in the run's storage (sync/durable.py)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class Schedule:
     downtime: float = 15.0
     restart_seconds: float = 2.0
     overlap: bool = False  # outer.overlap: a round runs while the workers train the next window
+    averaging_timeout: float = 10.0  # a settling region gives up loading a state max_wait + this after its end
+    leave_after_finish: float | None = None  # a finished region's driver exits then: its DHT record and server go
 
 
 @dataclass
@@ -142,6 +145,7 @@ class Simulator:
         self.dht: dict[str, list] = {}  # region -> [record, expires_at]
         self.served: dict[str, tuple] = {}  # region -> (step, digest, θ, momentum) as last published
         self.checkpoints: dict[str, tuple] = {}  # region -> (step, θ, momentum, progress)
+        self.stored: dict[str, tuple] = {}  # region -> (final record, θ, momentum): the run's storage
         self.pending: dict[int, list[_Request]] = {}
         self.failing = set(schedule.failing_steps)
         self.regions: dict[str, _Region] = {}
@@ -219,9 +223,10 @@ class Simulator:
         return plan.clock_offset + (1.0 + plan.clock_drift) * (self.now if at is None else at)
 
     def read(self, name: str) -> list[StateRecord] | None:
-        if self._dht_down(name):
-            return None
+        if self._dht_down(name):  # storage still answers (as Membership._read_records)
+            return policy.with_stored(None, [record for record, _, _ in self.stored.values()])
         records = [rec for rec, expires in self.dht.values() if expires > self.now]
+        records = policy.with_stored(records, [record for record, _, _ in self.stored.values()])
         if self.rules.wall_clock_ready:  # the reader compared the writer's clock with its own
             records = [dataclasses.replace(r, waited=r.waited + self.clock(name) - self.clock(r.region))
                        if r.phase == READY else r for r in records]
@@ -247,9 +252,22 @@ class Simulator:
         region.published = dataclasses.replace(region.published, phase=phase, waited=waited)
         self._store(region.plan.name, region.incarnation)
 
+    def _keep_final_state(self, region: _Region) -> None:
+        """As Membership._keep_final_state: the final record and state, in the run's storage."""
+        if self.rules.stored_finals:
+            self.stored[region.plan.name] = (region.published, dict(region.outer.global_state()),
+                                             dict(region.outer.momentum_state()))
+
+    def _leave(self, name: str) -> None:
+        """A finished region's driver exits: its record is withdrawn (a tombstone) and nobody serves its state."""
+        self.dht.pop(name, None)
+        self.served.pop(name, None)
+
     def adopt(self, region: _Region, want: StateRecord) -> bool:
         holders = [v for n, v in sorted(self.served.items()) if n != region.plan.name and v[:2] == (
             want.outer_step, want.digest)]
+        holders += [(r.outer_step, r.digest, theta, momentum) for n, (r, theta, momentum) in sorted(self.stored.items())
+                    if n != region.plan.name and (r.outer_step, r.digest) == (want.outer_step, want.digest)]
         if not holders:
             return False
         step, digest, theta, momentum = holders[0]
@@ -433,6 +451,8 @@ class Simulator:
             if region.outer.step_count >= s.target:
                 yield from self._settle(region)
                 self.out.finished[name] = (region.outer.step_count, region.digest)
+                if s.leave_after_finish is not None:
+                    self._at(self.now + s.leave_after_finish, lambda: self._leave(name))
                 return
 
     def _settle(self, region: _Region):
@@ -444,16 +464,17 @@ class Simulator:
                                                 target=self.s.target, ended=self.clock(region.plan.name, ended),
                                                 now=self.clock(region.plan.name),
                                                 max_wait=self.s.max_wait)
-            if isinstance(decision, policy.Finish):
-                if not decision.settled:
-                    self.out.unsettled.add(region.plan.name)
-                self._set_phase(region, FINISHED)
-                return
             if isinstance(decision, policy.Adopt) and self.adopt(region, decision.record):
                 self.publish(region, 0)
                 continue
-            if self.now - ended > self.s.max_wait + POLL + 1e-6:
-                self.out.violations.append(f"bounded: {region.plan.name} settled for {self.now - ended:.1f}s")
+            # As Membership._settle_at_end: a state it cannot load is tried for max_wait plus one download.
+            unsettled = (getattr(decision, "settled", True) is False
+                         or self.now - ended > self.s.max_wait + self.s.averaging_timeout)
+            if isinstance(decision, policy.Finish) or unsettled:
+                if unsettled:
+                    self.out.unsettled.add(region.plan.name)
+                self._set_phase(region, FINISHED)
+                self._keep_final_state(region)
                 return
             yield POLL
 

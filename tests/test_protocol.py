@@ -67,8 +67,10 @@ def schedules(draw, faults: bool = True, crashes: bool = True) -> Schedule:
         plans[0] = dataclasses.replace(plans[0], depart_at=None)
     target = draw(st.integers(2, 6))
     failing = frozenset(draw(st.lists(st.integers(0, target - 1), max_size=2))) if faults else frozenset()
+    # A finished region's driver exits (one cluster per region): at once, soon, later, or not before the end.
+    leave = draw(st.sampled_from([None, 0.0, 5.0, 60.0])) if faults else None
     return Schedule(tuple(plans), target=target, failing_steps=failing, max_wait=MAX_WAIT,
-                    matchmaking=MATCHMAKING, ttl=TTL)
+                    matchmaking=MATCHMAKING, ttl=TTL, leave_after_finish=leave)
 
 
 SLOWEST = "z"  # a region far slower than max_wait: it may miss rounds, the others must still meet
@@ -217,6 +219,8 @@ OLD_RULES = {
     "6 the outer step depends on the CPU kernel": (Rules(outer_step=fused_outer_step), schedules()),
     "review: one deadline per region, not per round": (Rules(plan_round=plan_with_own_deadlines), None),
     "issue 22: readiness compared the wall clocks of different hosts": (Rules(wall_clock_ready=True), None),
+    "issue 22: a finished region leaves and a late one diverges silently": (Rules(stored_finals=False),
+                                                                          schedules()),
     "overlap: the deadline counts from an overlapped region's hand-in": (
         Rules(blocking_time_deadline=False), "overlapped skew"),
 }

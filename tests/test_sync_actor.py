@@ -260,3 +260,44 @@ def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_posi
     rank0 = {**progress[0], "start": state["progress"]}
     step, _, _ = asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), 10, rank0))
     assert step == 2
+
+
+def test_an_overlapped_round_past_its_bound_is_abandoned_not_applied_under_a_restarted_group(tmp_path):
+    """issue 22 item 4: resume_state swallowed the TimeoutError of the round in flight and handed out θ_global while
+    that round kept running (its outer step could land under the new group). It is cancelled now, and said."""
+    actor = SyncActorImpl(config(tmp_path, "abandon", [1]), "r0")  # one region: no Hivemind needed
+    try:
+        async def restart_during_a_stuck_round():
+            stuck = asyncio.ensure_future(asyncio.sleep(3600))  # a round that does not end in time
+            actor._in_flight = stuck
+            actor._await_bound = lambda: 0.2
+            point = await actor.resume_state(0, 1)
+            await asyncio.sleep(0)  # let the cancellation land
+            return stuck, point
+
+        stuck, point = asyncio.run(restart_during_a_stuck_round())
+    finally:
+        actor.shutdown()
+    assert stuck.cancelled() and actor._in_flight is None
+    assert point["outer_step"] == 0
+    assert [e["event"] for e in actor.events if e["event"] == "overlapped_round_abandoned"] == [
+        "overlapped_round_abandoned"]
+
+
+def test_a_finished_region_does_not_settle_again(tmp_path):
+    """issue 22 item 4: a region that re-synced to the end during an overlapped round settled and published
+    FINISHED; the blocking last call then settled again and could take another state after saying it was final."""
+    from ray_diloco.sync.policy import FINISHED, StateRecord
+
+    cfg = config(tmp_path, "settled-once", [1, 1], outer_steps=1, matchmaking_seconds=1.0)
+    cfg["outer"].update(max_wait_seconds=1.0, averaging_timeout=2.0)
+    actor = SyncActorImpl(cfg, "r0")
+    try:
+        actor.outer.step_count = 1
+        actor._published = StateRecord("r0", 1, actor.digest(), 2, FINISHED)
+        actor._read_records = lambda: [actor._published, StateRecord("r1", 1, "another", 2, FINISHED)]
+        actor._settle_at_end()
+    finally:
+        actor.shutdown()
+    assert actor.digest() == actor._published.digest
+    assert not [e for e in actor.events if e["event"].startswith("settled_at_end")], actor.events

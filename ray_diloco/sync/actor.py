@@ -220,7 +220,9 @@ class SyncActorImpl(Membership, Rounds):
             await asyncio.wait_for(running.wait(), timeout=self._await_bound())
         try:  # an overlapped round in flight ends first; the new group starts from θ_global (its drift is gone)
             await self._finish_in_flight()
-        except Exception:  # noqa: BLE001 — recorded by _round; the state is the one before that round
+        except asyncio.TimeoutError:  # still running: it must not move θ_global under the new group
+            self._abandon_in_flight()
+        except Exception:  # noqa: BLE001 — failed before its outer step (recorded by _round): θ_global is unchanged
             pass
         self.base = None
         self._handed_back = self._round_ended = time.perf_counter()
@@ -373,6 +375,15 @@ class SyncActorImpl(Membership, Rounds):
         finally:
             if in_flight.done() and self._in_flight is in_flight:
                 self._in_flight = None
+
+    def _abandon_in_flight(self) -> None:
+        """Cancel the overlapped round still running: a slow round costs that round (the region's Δ of it is lost,
+        the next round re-syncs if the others moved on), never the group that restarts meanwhile."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and not in_flight.done():
+            in_flight.cancel()
+            self.record_event("overlapped_round_abandoned", outer_step=self.outer.step_count,
+                              waited_seconds=round(self._await_bound(), 1))
 
     async def _round(self, workers_step: int, pending: PendingRound, local: dict, delta: dict) -> dict:
         try:

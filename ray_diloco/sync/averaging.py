@@ -359,8 +359,11 @@ class RegionAverager:
     def shutdown(self) -> None:
         self._closed = True  # a round still running prepares nothing after it
         with self._lock:
-            if self._preparing is not None:
-                self._preparing.join()
+            if self._preparing is not None:  # bounded: one that is still starting sees _closed and stops its averager
+                self._preparing.join(timeout=PREPARE_WAIT_SECONDS)
+                if self._preparing.is_alive():
+                    logger.warning("[%s] the next round's averager was still starting at shutdown; it stops itself",
+                                   self.region)
             with self._prepared_lock:
                 prepared, self._prepared = self._prepared, None
             if prepared is not None:

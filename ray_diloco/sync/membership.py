@@ -256,6 +256,10 @@ class Membership:
         canonical state, so every region that finishes holds the same θ_global (a last round that failed
         mid-way or went without some region leaves them different)."""
         cfg = self.config
+        if self._published is not None and self._published.phase == FINISHED:
+            # Settled once already (a re-sync reached the end during an overlapped round): a finished region's
+            # state is final, the others may have taken it since.
+            return
         ended = time.monotonic()
         give_up = ended + cfg.outer.max_wait_seconds + cfg.outer.averaging_timeout
 
