@@ -165,6 +165,11 @@ class OuterConfig:
     round; one slower still (or gone) is counted absent and re-syncs to the others' state."""
     averaging_timeout: float = 120.0
     """Upper bound of one cross-region all-reduce."""
+    state_download_mbps: float = 100.0
+    """The slowest link, in Mbit/s, over which a region still loads another region's θ_global and momentum (a
+    re-sync, a join, the final state): a download may take their size at this rate (at least averaging_timeout),
+    then the next holder is tried. (120 s was the bound for any size: ~1.5 GB at 100 Mbit/s, so every re-sync of
+    a ~200M-parameter model failed.)"""
     initial_peers: list[str] = field(default_factory=list)
     """Hivemind multiaddrs of a running region: join a run started from another Ray cluster."""
     host: str = "127.0.0.1"
@@ -198,6 +203,7 @@ class OuterConfig:
         _require(self.matchmaking_seconds > 0, "outer.matchmaking_seconds", "must be > 0")
         _require(self.max_wait_seconds > 0, "outer.max_wait_seconds", "must be > 0")
         _require(0 <= self.port <= 65535, "outer.port", f"must be a TCP port (0: any free one), got {self.port}")
+        _require(self.state_download_mbps > 0, "outer.state_download_mbps", "must be > 0 (Mbit/s)")
         _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")
         _require(
             self.averaging_timeout > self.matchmaking_seconds,

@@ -8,6 +8,9 @@ averager (a group fills at the size the regions expect or at the end of the matc
 mid-way, leaving each member a mix of averaged and own parts), a region's workers (H inner steps on data window
 `w` move θ by a fixed function of (region, w); the group restarts at any moment and re-takes its state through
 the handshake), departures, late joins, and a crash of a whole region that comes back from its checkpoint.
+Hosts' clocks: each region decides on its own clock (`RegionPlan.clock_offset`, `clock_drift`). One cluster per
+region: a finished region's driver exits (`Schedule.leave_after_finish`), its record and server go, its final
+state stays in the run's storage (`policy.with_stored`).
 With `Schedule.overlap` (outer.overlap), the workers go on training the next window from the moment they hand
 in one, from θ_global before the round plus their drift (ray_diloco.sync.actor); a round still runs only after
 the previous one ended, and the last round blocks.

@@ -40,6 +40,7 @@ def test_opendiloco_shapes_and_hyperparameters():
         ("outer: {momentum: 1.5}", "outer.momentum"),
         ("outer: {matchmaking_seconds: 10, averaging_timeout: 5}", "outer.averaging_timeout"),
         ("outer: {max_wait_seconds: 0}", "outer.max_wait_seconds"),
+        ("outer: {state_download_mbps: 0}", "outer.state_download_mbps"),
         ("run: {mode: async}", "run.mode"),
         ("run: {name: 'has space'}", "run.name"),
         ("run: {mode: ddp, checkpoint_every: 2}", "run.checkpoint_every"),

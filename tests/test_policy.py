@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ray_diloco.sync.policy import (
     FINISHED,
     OUT,
@@ -149,3 +151,14 @@ def test_join_target_and_newer_state():
     assert join_target(me, [me, R("a", 5, "x", 2), R("b", 5, "y", 1)]) == R("a", 5, "x", 2)
     assert newer_state(3, "c", [me, R("a", 3, "x", 2)]) is None
     assert newer_state(3, "c", [me, R("a", 4, "x", 2)]) == R("a", 4, "x", 2)
+
+
+def test_a_state_download_is_bounded_by_its_size_at_the_slowest_allowed_link():
+    """issue 22 item 3: the whole download used to be bounded by averaging_timeout (120 s) whatever the size: a
+    ~200M-parameter model's θ and momentum (1.6 GB) need 128 s at 100 Mbit/s, so every re-sync failed."""
+    from ray_diloco.sync.policy import download_seconds
+
+    state_bytes = 2 * 4 * 200_000_000  # θ_global and momentum, fp32
+    assert download_seconds(state_bytes, mbps=100.0, at_least=120.0) == pytest.approx(128.0)
+    assert download_seconds(state_bytes, mbps=10.0, at_least=120.0) == pytest.approx(1280.0)
+    assert download_seconds(1000, mbps=100.0, at_least=120.0) == 120.0  # a tiny model: the floor

@@ -240,7 +240,7 @@ class SyncActorImpl(Membership, Rounds):
         rendezvous and the settling after the last round each by max_wait; the round by the averaging timeout
         (plus a download). `exchange` waits twice this for its round (the round in flight ends first)."""
         outer = self.config.outer
-        return 2 * outer.max_wait_seconds + 3 * outer.averaging_timeout + 60.0
+        return 2 * outer.max_wait_seconds + 2 * outer.averaging_timeout + self._download_seconds() + 60.0
 
     async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str:
         """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,

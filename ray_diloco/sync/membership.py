@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -164,7 +165,7 @@ class Membership:
     def _adopt(self, want, kind: str) -> bool:
         """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord), or from the run's
         storage where `want` is a stored record (its region's driver may be gone)."""
-        state, source = self.sharer.load_from_peers(want, timeout=self.config.outer.averaging_timeout), want.region
+        state, source = self.sharer.load_from_peers(want, timeout=self._download_seconds()), want.region
         if state is None:
             state, source = self._load_stored(want), "storage"
         if state is None:
@@ -189,6 +190,12 @@ class Membership:
             except Exception as error:  # unreadable, or not the state its record names: never loaded
                 self.record_event("stored_state_rejected", location=stored.location, error=repr(error)[:300])
         return None
+
+    def _download_seconds(self) -> float:
+        """How long loading θ_global and momentum (fp32) from one holder may take (outer.state_download_mbps)."""
+        state_bytes = 2 * 4 * sum(math.prod(shape) for shape in self.shapes.values())
+        outer = self.config.outer
+        return policy.download_seconds(state_bytes, outer.state_download_mbps, at_least=outer.averaging_timeout)
 
     def _set_state(self, step: int, theta: dict, momentum: dict) -> None:
         """Replace the outer state at once (it may run in an executor thread while `resume_state` reads)."""
@@ -218,7 +225,7 @@ class Membership:
         state that cannot be loaded is tried until the round's deadline plus one download; then the region goes
         alone and the next round re-syncs."""
         outer = self.config.outer
-        give_up = arrived + outer.max_wait_seconds + outer.averaging_timeout
+        give_up = arrived + outer.max_wait_seconds + self._download_seconds()
         said_ready = None  # when we last published READY (monotonic), None while we are not ready
         ready_at: dict = {}  # when the others became ready, on our clock (policy.ready_times)
 
@@ -261,7 +268,7 @@ class Membership:
             # state is final, the others may have taken it since.
             return
         ended = time.monotonic()
-        give_up = ended + cfg.outer.max_wait_seconds + cfg.outer.averaging_timeout
+        give_up = ended + cfg.outer.max_wait_seconds + self._download_seconds()
 
         def attempt() -> bool | Again:
             decision = policy.settle_at_end(self._published, self._read_records(), target=cfg.run.outer_steps,
@@ -282,10 +289,10 @@ class Membership:
         poll(attempt)
 
     def _resync_from_newer(self, own_step: int) -> bool:
-        """Wait (up to max_wait + averaging_timeout) for another region's record past `own_step`; adopt the
+        """Wait (up to max_wait plus one download) for another region's record past `own_step`; adopt the
         canonical one. False if none appeared or none could be loaded in time."""
         # The others may wait up to max_wait for stragglers before their round: wait that long too.
-        deadline = time.monotonic() + self.config.outer.max_wait_seconds + self.config.outer.averaging_timeout
+        deadline = time.monotonic() + self.config.outer.max_wait_seconds + self._download_seconds()
 
         def attempt() -> bool | Again:
             newer = policy.newer_state(own_step, self.region, self._read_records() or [])

@@ -196,6 +196,11 @@ def final_state(records: list[StateRecord]) -> StateRecord | None:
     return choose_canonical([r for r in records if r.phase == FINISHED]) or choose_canonical(records)
 
 
+def download_seconds(state_bytes: int, mbps: float, at_least: float) -> float:
+    """How long loading a state of `state_bytes` may take: its size at `mbps` Mbit/s, never less than `at_least`."""
+    return max(at_least, 8.0 * state_bytes / (mbps * 1e6))
+
+
 def join_target(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:
     """A region starting (fresh, resumed from an older checkpoint, or late): the canonical state of the others
     if it is ahead of ours. Never a lower step: a region resumed ahead of a stale peer keeps its own."""

@@ -244,8 +244,8 @@ class StateSharer:
     def load_from_peers(self, want: StateRecord | None = None, timeout: float = 60.0) -> State | None:
         """(outer_step, θ_global, momentum) from a peer whose record matches `want` (its region first, then other
         regions with the same step and digest), or the canonical state if want is None. The received θ_global
-        must have want.digest; on any failure or mismatch the next holder is tried. None if nobody delivered."""
-        deadline = time.monotonic() + timeout
+        must have want.digest; on any failure, mismatch or `timeout` (per holder: a slow or dying holder costs one
+        download) the next holder is tried. None if nobody delivered."""
         if self._stop.is_set():
             raise RuntimeError(f"[{self.region}] the state sharer is shut down")
         try:
@@ -262,12 +262,9 @@ class StateSharer:
                              and r.region != self.region and p != self.peer_id),
                             key=lambda h: (h[0].region != want.region, h[0].region))
         for record, peer in candidates:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             start = time.monotonic()
             try:
-                state = self._run(self._download(peer, record.region, want), timeout=remaining)
+                state = self._run(self._download(peer, record.region, want), timeout=timeout)
             except Exception as e:
                 logger.warning("[%s] loading the state from %s failed: %r", self.region, record.region, e)
                 continue
