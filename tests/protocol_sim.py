@@ -57,6 +57,7 @@ class Rules:
     blocking_time_deadline: bool = True  # overlap: the deadline counts from when the region would be in if blocking
     wall_clock_ready: bool = False  # (before issue 22) a record carried the wall-clock time its region was ready
     stored_finals: bool = True  # a finished region's final state stays in the run's storage (sync/durable.py)
+    chase_bound: bool = True  # a rendezvous stops re-syncing at its give-up time even while adoptions succeed
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Schedule:
     restart_seconds: float = 2.0
     overlap: bool = False  # outer.overlap: a round runs while the workers train the next window
     averaging_timeout: float = 10.0  # a settling region gives up loading a state max_wait + this after its end
+    download: float = 0.0  # seconds a state download takes (a holder that died or moved on meanwhile fails it)
     leave_after_finish: float | None = None  # a finished region's driver exits then: its DHT record and server go
 
 
@@ -266,14 +268,31 @@ class Simulator:
         self.dht.pop(name, None)
         self.served.pop(name, None)
 
-    def adopt(self, region: _Region, want: StateRecord) -> bool:
-        holders = [v for n, v in sorted(self.served.items()) if n != region.plan.name and v[:2] == (
+    def download_bound(self) -> float:
+        """As Membership._download_seconds: one download, at least averaging_timeout."""
+        return max(self.s.averaging_timeout, self.s.download)
+
+    def _load(self, region: _Region, want: StateRecord):
+        """As Membership._adopt: the state of the first holder of `want` (a live server, else the run's storage) is
+        taken when the download ends, Schedule.download seconds later, as it was when the download began (the
+        sharer serves a frozen snapshot); a live holder that died meanwhile fails it."""
+        holders = [(n, v) for n, v in sorted(self.served.items()) if n != region.plan.name and v[:2] == (
             want.outer_step, want.digest)]
-        holders += [(r.outer_step, r.digest, theta, momentum) for n, (r, theta, momentum) in sorted(self.stored.items())
+        holders += [(None, (r.outer_step, r.digest, theta, momentum))
+                    for n, (r, theta, momentum) in sorted(self.stored.items())
                     if n != region.plan.name and (r.outer_step, r.digest) == (want.outer_step, want.digest)]
         if not holders:
             return False
-        step, digest, theta, momentum = holders[0]
+        holder, state = holders[0]
+        incarnation = self.alive.get(holder) if holder is not None else None
+        if self.s.download > 0:
+            yield self.s.download
+        if holder is not None and self.alive.get(holder) != incarnation:
+            return False
+        self._take(region, *state)
+        return True
+
+    def _take(self, region: _Region, step: int, digest: str, theta: dict, momentum: dict) -> None:
         if step < region.outer.step_count:
             self.out.violations.append(f"monotonic: {region.plan.name} adopted step {step} at step "
                                        f"{region.outer.step_count}")
@@ -281,7 +300,6 @@ class Simulator:
         outer.load_momentum(momentum)
         outer.step_count = step
         region.outer, region.digest = outer, digest
-        return True
 
     # -- the averager ---------------------------------------------------------------------------------
     def _submit(self, request: _Request) -> None:
@@ -351,7 +369,7 @@ class Simulator:
         own = StateRecord(name, region.outer.step_count, region.digest, 0)
         target = policy.join_target(own, records or [])
         if target is not None:
-            self.adopt(region, target)
+            yield from self._load(region, target)
         self.publish(region, 0)
         stale_base = None  # the old handshake: a group restarted during a round took the state of before it
         overlapped = None  # overlap: (the θ the workers train from, when they started) after an overlapped round
@@ -394,7 +412,8 @@ class Simulator:
                 overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
             before_round = (region.outer.step_count, region.digest,
                             {k: v.clone() for k, v in region.outer.global_state().items()})
-            result, said_ready, ready_at = None, None, {}
+            result, said_ready, ready_at, loaded = None, None, {}, True
+            give_up = arrived + s.max_wait + self.download_bound()  # as Membership._rendezvous
             while True:  # as Membership._rendezvous: every time on this region's own clock
                 records = self.read(name)
                 if records is None and rules.dht_errors_fatal:
@@ -405,11 +424,18 @@ class Simulator:
                 decision = rules.plan_round(rules.vote(region), records, target=s.target,
                                             arrived=local_arrived, now=local_now, max_wait=s.max_wait,
                                             fallback_expected=1, ready_at=ready_at)
+                # Past its give-up time a region stops loading states (failing, or chasing one that moves on faster
+                # than it loads) and averages alone; the old rule gave up only after a failed load.
+                gave_up = (isinstance(decision, policy.Adopt) and self.now > give_up
+                           and (rules.chase_bound or not loaded))
+                if gave_up:
+                    decision = policy.Run(1)
                 if isinstance(decision, policy.Adopt):
                     if said_ready is not None:
                         self._set_phase(region, TRAINING)
                         said_ready = None
-                    if not self.adopt(region, decision.record):
+                    loaded = yield from self._load(region, decision.record)
+                    if not loaded:
                         yield POLL
                     elif rules.publish_adoption:
                         self.publish(region, 0)
@@ -417,7 +443,7 @@ class Simulator:
                         yield POLL  # the old actor: the next decision reads the records again
                 elif isinstance(decision, policy.Finish):
                     break
-                elif said_ready is None:
+                elif said_ready is None and not gave_up:
                     self._set_phase(region, READY, waited=local_now - local_arrived)
                     self.out.ready.append((region.outer.step_count, name, arrived))
                     said_ready = local_now
@@ -433,8 +459,9 @@ class Simulator:
                     if self.now - asked > s.matchmaking + TRANSFER + 1e-6:
                         self.out.violations.append(f"bounded: {name} waited {self.now - asked:.1f}s in averaging")
                     break
-                # A canonical state whose holder died cannot be loaded until its record expires (ttl).
-                if self.now - arrived > s.max_wait + s.ttl + POLL + 1e-6:
+                # A canonical state whose holder died cannot be loaded until its record expires (ttl); a load begun
+                # just before the give-up time ends one download after it.
+                if self.now - arrived > s.max_wait + max(s.ttl, self.download_bound() + s.download) + POLL + 1e-6:
                     self.out.violations.append(f"bounded: {name} waited {self.now - arrived:.1f}s to rendezvous")
             round_ended = self.now
             if result is not None:
@@ -467,12 +494,12 @@ class Simulator:
                                                 target=self.s.target, ended=self.clock(region.plan.name, ended),
                                                 now=self.clock(region.plan.name),
                                                 max_wait=self.s.max_wait)
-            if isinstance(decision, policy.Adopt) and self.adopt(region, decision.record):
+            if isinstance(decision, policy.Adopt) and (yield from self._load(region, decision.record)):
                 self.publish(region, 0)
                 continue
             # As Membership._settle_at_end: a state it cannot load is tried for max_wait plus one download.
             unsettled = (getattr(decision, "settled", True) is False
-                         or self.now - ended > self.s.max_wait + self.s.averaging_timeout)
+                         or self.now - ended > self.s.max_wait + self.download_bound())
             if isinstance(decision, policy.Finish) or unsettled:
                 if unsettled:
                     self.out.unsettled.add(region.plan.name)

@@ -69,8 +69,10 @@ def schedules(draw, faults: bool = True, crashes: bool = True) -> Schedule:
     failing = frozenset(draw(st.lists(st.integers(0, target - 1), max_size=2))) if faults else frozenset()
     # A finished region's driver exits (one cluster per region): at once, soon, later, or not before the end.
     leave = draw(st.sampled_from([None, 0.0, 5.0, 60.0])) if faults else None
+    # A state download: instant, a few seconds, or slower than the others' rounds (a region that chases).
+    download = draw(st.sampled_from([0.0, 0.0, 2.0, 20.0, 90.0])) if faults else 0.0
     return Schedule(tuple(plans), target=target, failing_steps=failing, max_wait=MAX_WAIT,
-                    matchmaking=MATCHMAKING, ttl=TTL, leave_after_finish=leave)
+                    matchmaking=MATCHMAKING, ttl=TTL, leave_after_finish=leave, download=download)
 
 
 SLOWEST = "z"  # a region far slower than max_wait: it may miss rounds, the others must still meet
@@ -221,6 +223,8 @@ OLD_RULES = {
     "issue 22: readiness compared the wall clocks of different hosts": (Rules(wall_clock_ready=True), None),
     "issue 22: a finished region leaves and a late one diverges silently": (Rules(stored_finals=False),
                                                                           schedules()),
+    "issue 22: a region that loads slower than the others' rounds chases them without bound": (
+        Rules(chase_bound=False), schedules()),
     "overlap: the deadline counts from an overlapped region's hand-in": (
         Rules(blocking_time_deadline=False), "overlapped skew"),
 }

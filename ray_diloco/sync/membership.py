@@ -221,9 +221,9 @@ class Membership:
         window later, when they hand in the next): follow the policy until it says run a round (with whom) or
         finish. We say we are ready only while we hold the state we will average from (a region seen ready while
         it still loads a peer's state would make the others' group wait for it in matchmaking), and say again how
-        long we have waited every REPUBLISH_SECONDS (the others place our readiness on their clocks from it). A
-        state that cannot be loaded is tried until the round's deadline plus one download; then the region goes
-        alone and the next round re-syncs."""
+        long we have waited every REPUBLISH_SECONDS (the others place our readiness on their clocks from it).
+        States are loaded until the round's deadline plus one download: past that (a state that cannot be loaded,
+        or one that moves on faster than we load it) the region goes alone and the next round re-syncs."""
         outer = self.config.outer
         give_up = arrived + outer.max_wait_seconds + self._download_seconds()
         said_ready = None  # when we last published READY (monotonic), None while we are not ready
@@ -238,13 +238,17 @@ class Membership:
                 max_wait=outer.max_wait_seconds, ready_at=ready_at,
                 fallback_expected=1)  # the DHT is unreadable: nobody could see us ready either
             if isinstance(decision, policy.Adopt):
+                if time.monotonic() > give_up:  # failing, or chasing a state that moves on faster than it loads
+                    self.record_event("resync_gave_up", wanted_step=decision.record.outer_step,
+                                      wanted_digest=decision.record.digest)
+                    return policy.Run(1)
                 if said_ready is not None:
                     self._set_phase_safely(TRAINING)
                     said_ready = None
                 if self._adopt(decision.record, "resync"):
                     self._publish_safely(0)
                     return Again(0.0)
-                return policy.Run(1) if time.monotonic() > give_up else Again(POLL_SECONDS)
+                return Again(POLL_SECONDS)
             if isinstance(decision, policy.Finish):
                 return decision
             if said_ready is None or (isinstance(decision, policy.Wait) and now - said_ready >= REPUBLISH_SECONDS):
