@@ -412,49 +412,35 @@ class Simulator:
                 overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
             before_round = (region.outer.step_count, region.digest,
                             {k: v.clone() for k, v in region.outer.global_state().items()})
-            result, said_ready, ready_at, loaded = None, None, {}, True
-            give_up = arrived + s.max_wait + self.download_bound()  # as Membership._rendezvous
-            while True:  # as Membership._rendezvous: every time on this region's own clock
+            local_arrived, result, said_ready = self.clock(name, arrived), None, False
+            machine = policy.Rendezvous(target=s.target, arrived=local_arrived, max_wait=s.max_wait,
+                                        give_up=local_arrived + s.max_wait + self.download_bound(), poll=POLL,
+                                        republish=REPUBLISH, plan=rules.plan_round, chase_bound=rules.chase_bound)
+            while True:  # as Membership._rendezvous: the same machine, on this region's own clock
                 records = self.read(name)
                 if records is None and rules.dht_errors_fatal:
                     self.out.dead[name] = "DHT read failed before a round"
                     return
-                local_now, local_arrived = self.clock(name), self.clock(name, arrived)
-                ready_at = policy.ready_times(ready_at, records, local_now)
-                decision = rules.plan_round(rules.vote(region), records, target=s.target,
-                                            arrived=local_arrived, now=local_now, max_wait=s.max_wait,
-                                            fallback_expected=1, ready_at=ready_at)
-                # Past its give-up time a region stops loading states (failing, or chasing one that moves on faster
-                # than it loads) and averages alone; the old rule gave up only after a failed load.
-                gave_up = (isinstance(decision, policy.Adopt) and self.now > give_up
-                           and (rules.chase_bound or not loaded))
-                if gave_up:
-                    decision = policy.Run(1)
-                if isinstance(decision, policy.Adopt):
-                    if said_ready is not None:
-                        self._set_phase(region, TRAINING)
-                        said_ready = None
-                    loaded = yield from self._load(region, decision.record)
-                    if not loaded:
-                        yield POLL
-                    elif rules.publish_adoption:
+                action = machine.next(rules.vote(region), records, self.clock(name))
+                if isinstance(action, policy.Publish):
+                    self._set_phase(region, action.phase, waited=action.waited)
+                    if action.phase == READY and not said_ready:
+                        self.out.ready.append((region.outer.step_count, name, arrived))
+                    said_ready = action.phase == READY
+                elif isinstance(action, policy.Load):
+                    loaded = yield from self._load(region, action.record)
+                    machine.loaded(loaded)
+                    if loaded and rules.publish_adoption:
                         self.publish(region, 0)
-                    else:
+                    elif loaded:
                         yield POLL  # the old actor: the next decision reads the records again
-                elif isinstance(decision, policy.Finish):
+                elif isinstance(action, policy.Sleep):
+                    yield action.seconds / (1.0 + plan.clock_drift)
+                elif isinstance(action, policy.Finish):
                     break
-                elif said_ready is None and not gave_up:
-                    self._set_phase(region, READY, waited=local_now - local_arrived)
-                    self.out.ready.append((region.outer.step_count, name, arrived))
-                    said_ready = local_now
-                elif isinstance(decision, policy.Wait):
-                    if local_now - said_ready >= REPUBLISH:  # how long it has waited, again
-                        self._set_phase(region, READY, waited=local_now - local_arrived)
-                        said_ready = local_now
-                    yield min(POLL, (decision.deadline - local_now) / (1.0 + plan.clock_drift))
                 else:
                     asked = self.now
-                    result = yield _Request(name, region.outer.step_count, delta, 1.0, decision.expected,
+                    result = yield _Request(name, region.outer.step_count, delta, 1.0, action.expected,
                                             full_key(region.outer), None, incarnation)
                     if self.now - asked > s.matchmaking + TRANSFER + 1e-6:
                         self.out.violations.append(f"bounded: {name} waited {self.now - asked:.1f}s in averaging")

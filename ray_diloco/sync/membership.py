@@ -25,7 +25,7 @@ import torch
 from ray_diloco import metrics
 from ray_diloco.sync import durable, peers, policy
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
-from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
+from ray_diloco.sync.policy import FINISHED, TRAINING, StateRecord
 
 logger = logging.getLogger(__name__)
 
@@ -218,47 +218,32 @@ class Membership:
 
     def _rendezvous(self, arrived: float) -> policy.Run | policy.Finish:
         """Our workers wait on this round from `arrived` (our monotonic clock: now, or with outer.overlap one
-        window later, when they hand in the next): follow the policy until it says run a round (with whom) or
-        finish. We say we are ready only while we hold the state we will average from (a region seen ready while
-        it still loads a peer's state would make the others' group wait for it in matchmaking), and say again how
-        long we have waited every REPUBLISH_SECONDS (the others place our readiness on their clocks from it).
-        States are loaded until the round's deadline plus one download: past that (a state that cannot be loaded,
-        or one that moves on faster than we load it) the region goes alone and the next round re-syncs."""
+        window later, when they hand in the next): run `policy.Rendezvous` until it says run a round (with whom)
+        or finish, carrying out what it asks (publish our phase, load a state, sleep). Loads are tried until the
+        round's deadline plus one download."""
         outer = self.config.outer
-        give_up = arrived + outer.max_wait_seconds + self._download_seconds()
-        said_ready = None  # when we last published READY (monotonic), None while we are not ready
-        ready_at: dict = {}  # when the others became ready, on our clock (policy.ready_times)
+        machine = policy.Rendezvous(target=self.config.run.outer_steps, arrived=arrived,
+                                    max_wait=outer.max_wait_seconds,
+                                    give_up=arrived + outer.max_wait_seconds + self._download_seconds(),
+                                    poll=POLL_SECONDS, republish=REPUBLISH_SECONDS)
 
         def attempt() -> policy.Run | policy.Finish | Again:
-            nonlocal said_ready, ready_at
-            records, now = self._read_records(), time.monotonic()
-            ready_at = policy.ready_times(ready_at, records, now)
-            decision = policy.plan_round(
-                self._published, records, target=self.config.run.outer_steps, arrived=arrived, now=now,
-                max_wait=outer.max_wait_seconds, ready_at=ready_at,
-                fallback_expected=1)  # the DHT is unreadable: nobody could see us ready either
-            if isinstance(decision, policy.Adopt):
-                if time.monotonic() > give_up:  # failing, or chasing a state that moves on faster than it loads
-                    self.record_event("resync_gave_up", wanted_step=decision.record.outer_step,
-                                      wanted_digest=decision.record.digest)
-                    return policy.Run(1)
-                if said_ready is not None:
-                    self._set_phase_safely(TRAINING)
-                    said_ready = None
-                if self._adopt(decision.record, "resync"):
+            action = machine.next(self._published, self._read_records(), time.monotonic())
+            if isinstance(action, policy.Publish):
+                self._set_phase_safely(action.phase, waited=action.waited)
+                return Again(0.0)
+            if isinstance(action, policy.Load):
+                loaded = self._adopt(action.record, "resync")
+                if loaded:
                     self._publish_safely(0)
-                    return Again(0.0)
-                return Again(POLL_SECONDS)
-            if isinstance(decision, policy.Finish):
-                return decision
-            if said_ready is None or (isinstance(decision, policy.Wait) and now - said_ready >= REPUBLISH_SECONDS):
-                self._set_phase_safely(READY, waited=now - arrived)
-                first, said_ready = said_ready is None, now
-                if first:
-                    return Again(0.0)
-            if isinstance(decision, policy.Wait):
-                return Again(max(0.0, min(POLL_SECONDS, decision.deadline - time.monotonic())))
-            return decision
+                machine.loaded(loaded)
+                return Again(0.0)
+            if isinstance(action, policy.Sleep):
+                return Again(action.seconds)
+            if isinstance(action, policy.Run) and action.gave_up is not None:
+                self.record_event("resync_gave_up", wanted_step=action.gave_up.outer_step,
+                                  wanted_digest=action.gave_up.digest)
+            return action
 
         return poll(attempt)
 

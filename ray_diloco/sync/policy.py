@@ -2,9 +2,20 @@
 when to stop. No Ray, no Hivemind: the SyncActor reads the records, asks here, and carries the answer out
 (STYLE.md §3), and `tests/protocol_sim.py` drives the same functions through thousands of random schedules.
 
+A region's life, as the SyncActor runs it with these functions:
+1. join: `join_target` — a region starting (fresh, resumed, late) takes the others' canonical state if ahead;
+2. each round, `Rendezvous` (a state machine: records in, one action out — publish our phase, load a state,
+   sleep, or end with Run or Finish), deciding with `plan_round`;
+3. after the last round, `settle_at_end`, then FINISHED: the region never changes its state again;
+4. a round with a non-finite Δ: the region sits it out (OUT) and takes `newer_state`, or stops.
+Every load is bounded by `download_seconds` (the state's size at the slowest allowed link).
+
 Records. Every region publishes one `StateRecord` in the DHT: its outer step, the digest of its θ_global, the
 size of the group whose round produced that state, and its phase in the round at that step (training, ready to
-average, or sitting it out). A region that died stops refreshing its record and drops out when it expires.
+average, sitting it out, finished). A region that died stops refreshing its record and drops out when it
+expires. A region's driver may end before the others (one Ray cluster per region), so each region also keeps its
+record in the run's storage (`ray_diloco.sync.durable`); `with_stored` adds the stored record of every region
+that has no live one, so a finished region's final state is still seen (and loaded) after its driver is gone.
 
 Canonical state. `choose_canonical` is a function of the records alone, and a region votes with exactly the
 record it published, so every region that reads the same records picks the same state (a region voting with
@@ -97,9 +108,11 @@ def needs_resync(own: StateRecord, records: list[StateRecord]) -> StateRecord | 
 # -- decisions --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Run:
-    """Average now with `expected` regions (this one included); `absent`: live regions not ready in time."""
+    """Average now with `expected` regions (this one included); `absent`: live regions not ready in time;
+    `gave_up`: the state it stopped trying to load (its give-up time passed), if that is why it runs alone."""
     expected: int
     absent: tuple[str, ...] = ()
+    gave_up: StateRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +183,78 @@ def plan_round(own: StateRecord, records: list[StateRecord] | None, *, target: i
     if now >= deadline:
         return Run(1 + len(ready), absent=waiting_on)
     return Wait(deadline, waiting_on)
+
+
+# -- one region's rendezvous, as a state machine (the SyncActor and tests/protocol_sim.py both run it) --------
+@dataclass(frozen=True)
+class Publish:
+    """Publish our record with `phase` (READY: having waited `waited` seconds), then ask again at once."""
+    phase: str
+    waited: float = 0.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """Load `record`'s state (and publish it if that worked); report the outcome with `Rendezvous.loaded`."""
+    record: StateRecord
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Read the records again after `seconds`."""
+    seconds: float
+
+
+class Rendezvous:
+    """What a region whose workers' shards are in does until it averages or finishes: `next` takes what the region
+    reads now (its published record, the records, its monotonic clock) and returns one action, Publish, Load,
+    Sleep, or the end: Run or Finish. The caller carries the action out and asks again. No I/O here: the
+    SyncActor (`Membership._rendezvous`) and the simulator drive the same machine.
+
+    Rules: `plan_round` decides. A region says it is ready once it holds the state it will average from, and says
+    again how long it has waited every `republish` seconds while it waits (the others place its readiness on their
+    clocks from it); it withdraws readiness before it loads a newer state. A load that failed is retried after
+    `poll`. Past `give_up` (the round's deadline plus one download) it loads nothing more — a state that cannot
+    be loaded, or one that moves on faster than it loads — and averages alone (the next round re-syncs).
+    `plan` and `chase_bound` exist so the tests can run the old rules."""
+
+    def __init__(self, *, target: int, arrived: float, max_wait: float, give_up: float, poll: float,
+                 republish: float, plan=None, chase_bound: bool = True):
+        self.target, self.arrived, self.max_wait, self.give_up = target, arrived, max_wait, give_up
+        self.poll, self.republish, self.chase_bound = poll, republish, chase_bound
+        self.plan = plan or plan_round
+        self.said_ready: float | None = None  # when we last published READY; None while not ready
+        self.ready_at: dict[tuple[str, int], float] = {}  # the others' readiness on our clock (ready_times)
+        self.last_load_ok = True
+        self.sleep_first = False  # the last load failed: wait a poll before the next attempt
+
+    def loaded(self, ok: bool) -> None:
+        self.last_load_ok, self.sleep_first = ok, not ok
+
+    def next(self, own: StateRecord, records: list[StateRecord] | None,
+             now: float) -> Run | Finish | Publish | Load | Sleep:
+        self.ready_at = ready_times(self.ready_at, records, now)
+        decision = self.plan(own, records, target=self.target, arrived=self.arrived, now=now, max_wait=self.max_wait,
+                             fallback_expected=1,  # the DHT is unreadable: nobody could see us ready either
+                             ready_at=self.ready_at)
+        if isinstance(decision, Adopt):
+            if now > self.give_up and (self.chase_bound or not self.last_load_ok):
+                return Run(1, gave_up=decision.record)
+            if self.said_ready is not None:
+                self.said_ready = None
+                return Publish(TRAINING)
+            if self.sleep_first:
+                self.sleep_first = False
+                return Sleep(self.poll)
+            return Load(decision.record)
+        if isinstance(decision, Finish):
+            return decision
+        if self.said_ready is None or (isinstance(decision, Wait) and now - self.said_ready >= self.republish):
+            self.said_ready = now
+            return Publish(READY, waited=now - self.arrived)
+        if isinstance(decision, Wait):
+            return Sleep(max(0.0, min(self.poll, decision.deadline - now)))
+        return decision
 
 
 def settle_at_end(own: StateRecord, records: list[StateRecord] | None, *, target: int, ended: float,
