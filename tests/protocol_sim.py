@@ -474,25 +474,27 @@ class Simulator:
     def _settle(self, region: _Region):
         if self.rules.settle_at_end is None:
             return
-        ended = self.now
-        while True:
-            decision = self.rules.settle_at_end(self.rules.vote(region), self.read(region.plan.name),
-                                                target=self.s.target, ended=self.clock(region.plan.name, ended),
-                                                now=self.clock(region.plan.name),
-                                                max_wait=self.s.max_wait)
-            if isinstance(decision, policy.Adopt) and (yield from self._load(region, decision.record)):
-                self.publish(region, 0)
-                continue
-            # As Membership._settle_at_end: a state it cannot load is tried for max_wait plus one download.
-            unsettled = (getattr(decision, "settled", True) is False
-                         or self.now - ended > self.s.max_wait + self.download_bound())
-            if isinstance(decision, policy.Finish) or unsettled:
-                if unsettled:
-                    self.out.unsettled.add(region.plan.name)
+        name, ended, started = region.plan.name, self.clock(region.plan.name), self.now
+        machine = policy.Settling(target=self.s.target, ended=ended, max_wait=self.s.max_wait,
+                                  give_up=ended + self.s.max_wait + self.download_bound(), poll=POLL,
+                                  settle=self.rules.settle_at_end)
+        while True:  # as Membership._settle_at_end: the same machine, on this region's own clock
+            if self.now - started > self.s.max_wait + self.download_bound() + self.s.download + POLL + 1e-6:
+                self.out.violations.append(f"bounded: {name} settled for {self.now - started:.1f}s")
+            action = machine.next(self.rules.vote(region), self.read(name), self.clock(name))
+            if isinstance(action, policy.Load):
+                loaded = yield from self._load(region, action.record)
+                machine.loaded(loaded)
+                if loaded:
+                    self.publish(region, 0)
+            elif isinstance(action, policy.Sleep):
+                yield action.seconds / (1.0 + region.plan.clock_drift)
+            else:
+                if not action.settled:
+                    self.out.unsettled.add(name)
                 self._set_phase(region, FINISHED)
                 self._keep_final_state(region)
                 return
-            yield POLL
 
 
 def violations(schedule: Schedule, out: Outcome) -> list[str]:

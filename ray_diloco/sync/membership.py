@@ -257,18 +257,21 @@ class Membership:
             # state is final, the others may have taken it since.
             return
         ended = time.monotonic()
-        give_up = ended + cfg.outer.max_wait_seconds + self._download_seconds()
+        machine = policy.Settling(target=cfg.run.outer_steps, ended=ended, max_wait=cfg.outer.max_wait_seconds,
+                                  give_up=ended + cfg.outer.max_wait_seconds + self._download_seconds(),
+                                  poll=POLL_SECONDS)
 
         def attempt() -> bool | Again:
-            decision = policy.settle_at_end(self._published, self._read_records(), target=cfg.run.outer_steps,
-                                            ended=ended, now=time.monotonic(), max_wait=cfg.outer.max_wait_seconds)
-            if isinstance(decision, policy.Adopt) and self._adopt(decision.record, "settled_at_end"):
-                self._publish_safely(0)
+            action = machine.next(self._published, self._read_records(), time.monotonic())
+            if isinstance(action, policy.Load):
+                loaded = self._adopt(action.record, "settled_at_end")
+                if loaded:
+                    self._publish_safely(0)
+                machine.loaded(loaded)
                 return Again(0.0)
-            unsettled = getattr(decision, "settled", True) is False or time.monotonic() > give_up
-            if not (isinstance(decision, policy.Finish) or unsettled):
-                return Again(POLL_SECONDS)
-            if unsettled:  # the driver's summary then names the regions that disagree
+            if isinstance(action, policy.Sleep):
+                return Again(action.seconds)
+            if not action.settled:  # the driver's summary then names the regions that disagree
                 self.record_event("unsettled_at_end", why="the DHT did not answer, or the canonical state "
                                                           "could not be loaded, in time")
             self._set_phase_safely(FINISHED)

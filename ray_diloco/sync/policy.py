@@ -275,6 +275,33 @@ def settle_at_end(own: StateRecord, records: list[StateRecord] | None, *, target
     return Adopt(final) if final.digest != own.digest else Finish()
 
 
+class Settling:
+    """After a region's last round, until it finishes (publishes FINISHED and keeps its final state): `next`
+    returns Load, Sleep, or Finish (settled=False: it ends unchecked and says so), deciding with `settle_at_end`.
+    A state that cannot be loaded is tried until `give_up` (max_wait plus one download after the end). The
+    SyncActor (`Membership._settle_at_end`) and the simulator drive the same machine."""
+
+    def __init__(self, *, target: int, ended: float, max_wait: float, give_up: float, poll: float,
+                 settle=None):
+        self.target, self.ended, self.max_wait, self.give_up, self.poll = target, ended, max_wait, give_up, poll
+        self.settle = settle or settle_at_end
+        self.load_failed = False
+
+    def loaded(self, ok: bool) -> None:
+        self.load_failed = not ok
+
+    def next(self, own: StateRecord, records: list[StateRecord] | None, now: float) -> Load | Sleep | Finish:
+        if self.load_failed:
+            self.load_failed = False
+            return Finish(settled=False) if now > self.give_up else Sleep(self.poll)
+        decision = self.settle(own, records, target=self.target, ended=self.ended, now=now, max_wait=self.max_wait)
+        if isinstance(decision, Adopt):
+            return Load(decision.record)
+        if isinstance(decision, Finish):
+            return decision
+        return Finish(settled=False) if now > self.give_up else Sleep(max(0.0, min(self.poll, decision.deadline - now)))
+
+
 def final_state(records: list[StateRecord]) -> StateRecord | None:
     """The state a run ends with: that of the regions that already finished (it can no longer change, so
     whoever comes later takes it), else the canonical one. The driver exports the same."""
