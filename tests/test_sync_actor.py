@@ -301,3 +301,25 @@ def test_a_finished_region_does_not_settle_again(tmp_path):
         actor.shutdown()
     assert actor.digest() == actor._published.digest
     assert not [e for e in actor.events if e["event"].startswith("settled_at_end")], actor.events
+
+
+def test_a_stuck_overlapped_round_costs_that_round_not_the_group(tmp_path):
+    """issue 22 item 4: at the next exchange, the overlapped round still in flight past its bound raised a
+    TimeoutError to every rank (a Ray Train failure: repeated slow rounds used up max_failures). It is abandoned
+    now; the workers' Δ covers both windows, taken against θ_global itself, and the round goes on."""
+    actor = SyncActorImpl(config(tmp_path, "stuck", [1]), "r0")  # one region: no Hivemind needed
+    try:
+        before = {name: t.clone() for name, t in actor.global_state().items()}
+
+        async def exchange_while_a_round_is_stuck():
+            actor._in_flight = asyncio.ensure_future(asyncio.sleep(3600))
+            actor.base, actor.workers_step = dict(before), 1  # the workers were told step 1, one round ahead
+            actor._await_bound = lambda: 0.2
+            return await actor.exchange(1, 0, 1, trained(actor, 7), tokens=1000)
+
+        reached, rows, stop = asyncio.run(exchange_while_a_round_is_stuck())
+    finally:
+        actor.shutdown()
+    assert reached == 1 and not stop and actor.outer.step_count == 1
+    assert [e["event"] for e in actor.events].count("overlapped_round_abandoned") == 1
+    assert any(not torch.equal(before[n], t) for n, t in actor.global_state().items())  # the round was applied

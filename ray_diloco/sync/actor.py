@@ -329,7 +329,13 @@ class SyncActorImpl(Membership, Rounds):
     async def _complete_round(self, workers_step: int, pending: PendingRound) -> tuple[dict, int]:
         """Every rank is in: returns the state the workers go on from and its outer step. Blocking: after the
         round. Overlapped: at once, with the round of these shards running in the background."""
-        await self._finish_in_flight()
+        try:
+            await self._finish_in_flight()
+        except asyncio.TimeoutError:  # a slow round costs that round, never the group
+            self._abandon_in_flight()
+            self._drop_overlap_base()
+        except Exception:  # noqa: BLE001 — it failed before its outer step (recorded by _round): the same
+            self._drop_overlap_base()
         # The others count this round's deadline from when we would be in had the last round blocked: the end
         # of the last round plus the window the workers just trained (= now, without overlap). From our arrival
         # instead, an overlapped region, one window ahead, would leave a region slower by less than max_wait
@@ -375,6 +381,12 @@ class SyncActorImpl(Membership, Rounds):
         finally:
             if in_flight.done() and self._in_flight is in_flight:
                 self._in_flight = None
+
+    def _drop_overlap_base(self) -> None:
+        """The overlapped round's update will never come: the workers' Δ is taken against θ_global itself (it
+        holds their progress of both windows), and this round blocks."""
+        self.base = None
+        self.workers_step = self.outer.step_count
 
     def _abandon_in_flight(self) -> None:
         """Cancel the overlapped round still running: a slow round costs that round (the region's Δ of it is lost,
