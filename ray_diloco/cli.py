@@ -221,9 +221,10 @@ def train(cfg: ExperimentConfig, address: str | None) -> int:
         print(f"[driver] {stopped}", flush=True)
         return 0
     if summary.get("unsettled"):  # the regions of the run did not end on one θ_global: never a quiet success
-        print(f"ray-diloco: error: run {cfg.run.name} ended unsettled: region(s) "
-              f"{', '.join(summary['disagreeing_regions']) or 'of this driver'} hold another θ_global than the "
-              f"exported {summary['exported_digest']} (see the events in summary.json)", file=sys.stderr)
+        why = (f"region(s) {', '.join(summary['disagreeing_regions'])} hold another θ_global than the exported "
+               f"{summary['exported_digest']}" if summary["disagreeing_regions"] else
+               "its end could not be checked against the other regions' (events unsettled_at_end)")
+        print(f"ray-diloco: error: run {cfg.run.name} ended unsettled: {why}; see summary.json", file=sys.stderr)
         return 1
     return 0 if summary["eval_loss"] == summary["eval_loss"] else 1  # NaN loss fails the command
 

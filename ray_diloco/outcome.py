@@ -33,24 +33,26 @@ class TrainingOutcome:
     final_state: dict[str, torch.Tensor]
     curve: list[dict]
     data_counts: dict[str, int]
-    # Regions of the run that other drivers ran and that finished it: their final digests (from storage).
-    finished_elsewhere: dict[str, str] = field(default_factory=dict)
+    # Regions of the run that other drivers ran and that finished it: their final digests (from storage; None:
+    # the storage could not be read).
+    finished_elsewhere: dict[str, str] | None = field(default_factory=dict)
 
     def final_outer_step(self) -> int:
         """The outer step the exported θ_global is at (the furthest a finished group got)."""
         return max((w.get("outer_step", 0) for w in self.worker_results), default=0)
 
 
-def finished_elsewhere(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, str]:
-    """The final digests that regions run by other drivers (other clusters) kept in the run's storage."""
-    if cfg.run.mode != "diloco" or len(cfg.regions) == 1:
-        return {}
+def finished_elsewhere(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, str] | None:
+    """The final digests that regions run by other drivers (other clusters) kept in the run's storage; None if
+    there are such regions and the storage could not be read (the end is then unchecked: unsettled)."""
     ours = {g.name for g in groups}
+    if cfg.run.mode != "diloco" or {r.name for r in cfg.regions} <= ours:
+        return {}
     try:
         stored = durable.read_records(cfg.run.states_dir())
-    except Exception as error:  # storage unreachable: the summary then compares this driver's regions only
+    except Exception as error:
         logger.warning("reading the stored state records failed: %r", error)
-        return {}
+        return None
     return {region: s.record.digest for region, s in sorted(stored.items())
             if region not in ours and durable.finished(s, cfg.run.outer_steps)}
 
@@ -99,9 +101,10 @@ def data_files(cfg: ExperimentConfig, groups: list[RegionConfig]) -> dict[str, l
     return None if shares is None else {g.name: shares[names.index(g.name)] for g in groups}
 
 
-def agreement(stats: list[dict], exported: str, elsewhere: dict[str, str]) -> dict[str, Any]:
+def agreement(stats: list[dict], exported: str, elsewhere: dict[str, str] | None) -> dict[str, Any]:
     """Whether the run ended on one θ_global: this driver's regions (`stats`) and the regions other drivers ran
-    that finished the run (`elsewhere`: region -> final digest, from the run's storage)."""
+    that finished the run (`elsewhere`: region -> final digest, from the run's storage; None: unreadable)."""
+    unknown, elsewhere = elsewhere is None, elsewhere or {}
     disagreeing = sorted([s["region"] for s in stats if s["digest"] != exported]
                          + [region for region, digest in elsewhere.items() if digest != exported])
     return {
@@ -112,8 +115,8 @@ def agreement(stats: list[dict], exported: str, elsewhere: dict[str, str]) -> di
         "global_digest": {s["region"]: s["digest"] for s in stats},
         "finished_elsewhere": elsewhere,
         # Not one θ_global at the end: a region could not take the final state (the CLI then exits non-zero).
-        "unsettled": bool(disagreeing) or any(e["event"] == "unsettled_at_end" for s in stats
-                                              for e in s.get("events", [])),
+        "unsettled": bool(disagreeing) or unknown or any(e["event"] == "unsettled_at_end" for s in stats
+                                                         for e in s.get("events", [])),
     }
 
 

@@ -85,6 +85,8 @@ def test_a_run_that_did_not_end_on_one_state_is_unsettled_and_names_the_regions(
     assert not split["regions_agree"] and split["unsettled"] and split["disagreeing_regions"] == ["a"]
     gave_up = outcome.agreement([{**stats[0], "events": [{"event": "unsettled_at_end"}]}], "x", {})
     assert gave_up["unsettled"] and gave_up["regions_agree"]
+    unread = outcome.agreement(stats, "x", None)  # other drivers' regions, and their storage unreadable
+    assert unread["unsettled"] and unread["finished_elsewhere"] == {}
 
 
 def test_the_cli_exits_non_zero_in_one_line_when_the_run_ended_unsettled(monkeypatch, capsys):
@@ -97,4 +99,4 @@ def test_the_cli_exits_non_zero_in_one_line_when_the_run_ended_unsettled(monkeyp
     assert cli.main(["train", "--run-name", "split"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ray-diloco: error: run split ended unsettled: region(s) a hold another θ_global than the "
-                   "exported x (see the events in summary.json)"]
+                   "exported x; see summary.json"]

@@ -27,7 +27,10 @@ def run_config(tmp_path):
     config.write_text(yaml.safe_dump({
         "regions": [{"name": name, "workers": 1} for name in ("a", "b", "c")],
         "outer": {"inner_steps": 2, "max_wait_seconds": 3, "matchmaking_seconds": 1, "averaging_timeout": 10},
-        "run": {"name": "late", "outer_steps": T, "output_dir": str(tmp_path), "stop_timeout_seconds": 60},
+        # A checkpoint every step: the one of the last step comes after a finished, and must not replace its
+        # stored final record.
+        "run": {"name": "late", "outer_steps": T, "output_dir": str(tmp_path), "stop_timeout_seconds": 60,
+                "checkpoint_every": 1},
         "inner": {"warmup_steps": 1}}))
     return str(config)
 

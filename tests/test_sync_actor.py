@@ -295,7 +295,8 @@ def test_a_finished_region_does_not_settle_again(tmp_path):
     try:
         actor.outer.step_count = 1
         actor._published = StateRecord("r0", 1, actor.digest(), 2, FINISHED)
-        actor._read_records = lambda: [actor._published, StateRecord("r1", 1, "another", 2, FINISHED)]
+        # The other's digest wins the canonical vote's tie-break (the smallest): the old code would take it.
+        actor._read_records = lambda: [actor._published, StateRecord("r1", 1, "0" * 32, 2, FINISHED)]
         actor._settle_at_end()
     finally:
         actor.shutdown()
@@ -323,3 +324,25 @@ def test_a_stuck_overlapped_round_costs_that_round_not_the_group(tmp_path):
     assert reached == 1 and not stop and actor.outer.step_count == 1
     assert [e["event"] for e in actor.events].count("overlapped_round_abandoned") == 1
     assert any(not torch.equal(before[n], t) for n, t in actor.global_state().items())  # the round was applied
+
+
+def test_an_abandoned_rounds_thread_cannot_change_the_state(tmp_path):
+    """An abandoned round's executor threads run on (cancelling the coroutine does not stop them): a load that
+    lands after the abandonment is refused under the state lock."""
+    from ray_diloco.sync.membership import RoundAbandoned
+
+    actor = SyncActorImpl(config(tmp_path, "late-thread", [1]), "r0")
+    try:
+        generation = actor._generation
+        actor._in_flight = asyncio.new_event_loop().create_future()  # a round in flight, then abandoned
+        actor._abandon_in_flight()
+        theta = {name: t + 1.0 for name, t in actor.global_state().items()}
+        before = actor.digest()
+        with pytest.raises(RoundAbandoned):
+            actor._set_state(5, theta, {}, generation=generation)
+        unchanged = (actor.digest(), actor.outer.step_count)
+        actor._set_state(5, theta, {})  # not a round's load (a join, a resume): goes through
+    finally:
+        actor.shutdown()
+    assert unchanged == (before, 0)
+    assert actor.digest() != before and actor.outer.step_count == 5

@@ -51,7 +51,7 @@ from ray_diloco.sync.averaging import RegionAverager
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
-from ray_diloco.sync.policy import StateRecord
+from ray_diloco.sync.policy import FINISHED, StateRecord
 from ray_diloco.sync.rounds import PendingRound, Rounds
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ class SyncActorImpl(Membership, Rounds):
         self.base: dict[str, torch.Tensor] | None = None
         self.workers_step = 0
         self._in_flight: asyncio.Future | None = None
+        # Bumped when a round is abandoned: its executor threads (rendezvous, loads, settling) run on, but may
+        # change nothing after that (Membership checks it before each step and under _state_lock).
+        self._generation = 0
         self._handed_back = self._round_ended = time.perf_counter()  # the workers' last start, the last round's end
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
@@ -237,10 +240,11 @@ class SyncActorImpl(Membership, Rounds):
 
     def _await_bound(self) -> float:
         """How long `resume_state` waits for the round being applied: its other ranks arrive within seconds; the
-        rendezvous and the settling after the last round each by max_wait; the round by the averaging timeout
-        (plus a download). `exchange` waits twice this for its round (the round in flight ends first)."""
+        rendezvous and the settling after the last round each by max_wait plus one download, with a load of up to
+        two downloads begun just before; the all-reduce by the averaging timeout. `exchange` waits twice this for
+        its round (the round in flight ends first)."""
         outer = self.config.outer
-        return 2 * outer.max_wait_seconds + 2 * outer.averaging_timeout + self._download_seconds() + 60.0
+        return 2 * outer.max_wait_seconds + 2 * outer.averaging_timeout + 6 * self._download_seconds() + 60.0
 
     async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str:
         """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,
@@ -255,7 +259,9 @@ class SyncActorImpl(Membership, Rounds):
         # Off the event loop: other regions' calls (state sharing) go on while the files are written.
         location = await asyncio.get_running_loop().run_in_executor(None, self.store.save, checkpoint)
         self.committed = (step, worker_checkpoint)
-        if self.sharer is not None:  # a region starting after our driver is gone can join from it
+        # A region starting after our driver is gone can join from it; never over our final record (a checkpoint
+        # of the last step comes after the region finished).
+        if self.sharer is not None and self._published.phase != FINISHED:
             record = StateRecord(self.region, step, digest, 0)
             await asyncio.get_running_loop().run_in_executor(None, self._keep_in_storage, record, location)
         metrics.safely(metrics.record_checkpoint, self.config.run.name, self.region, outer_step=step)
@@ -393,6 +399,8 @@ class SyncActorImpl(Membership, Rounds):
         the next round re-syncs if the others moved on), never the group that restarts meanwhile."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not in_flight.done():
+            with self._state_lock:
+                self._generation += 1
             in_flight.cancel()
             self.record_event("overlapped_round_abandoned", outer_step=self.outer.step_count,
                               waited_seconds=round(self._await_bound(), 1))

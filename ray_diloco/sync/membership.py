@@ -5,7 +5,8 @@ settle at the end. Also how it finds the other regions: its peer file in the run
 
 `Membership` is the part of `SyncActorImpl` (actor.py) that does this; it uses the actor's `config`, `region`,
 `outer`, `shapes`, `_digest`, `sharer`, `averager`, `_published`, `_connected`, `_peers_read`, `_stored`,
-`_stored_read`, `_dht_failing`, `_phase_failing`, `_state_lock` and `record_event`, all set in `SyncActorImpl.__init__`.
+`_stored_read`, `_dht_failing`, `_phase_failing`, `_generation`, `_state_lock` and `record_event`, all set in
+`SyncActorImpl.__init__`.
 
 Besides the DHT, each region keeps its record and state in the run's storage (`durable.py`): the last committed
 one, and the final one. A region whose driver is gone is known from those: its final state is taken from there.
@@ -51,6 +52,10 @@ def poll(attempt: Callable[[], T | Again]) -> T:
             time.sleep(outcome.seconds)
 REPUBLISH_SECONDS = 1.0  # how often a waiting region publishes how long it has waited
 PEER_FILES_SECONDS = 5.0  # how often it reads the other regions' peer files (storage listings cost more)
+
+
+class RoundAbandoned(Exception):
+    """The round this thread works for was abandoned (`SyncActorImpl._abandon_in_flight`): it changes nothing."""
 
 
 class Membership:
@@ -151,28 +156,34 @@ class Membership:
 
     def _keep_final_state(self) -> None:
         """Our final state and its record in the run's storage: a region that arrives after our driver is gone
-        takes it from there."""
+        takes it from there. If it cannot be stored, the run cannot vouch for its end: unsettled."""
         step, theta, momentum = self._snapshot()
         record = StateRecord(self.region, step, self._digest, self._published.group_size, FINISHED)
         try:
             location = durable.save_final_state(self.config.run.states_dir(), self.region, step, theta, momentum,
                                                 self.config.to_yaml())
+            durable.write_record(self.config.run.states_dir(), durable.StoredRecord(record, location))
         except Exception as error:
-            self.record_event("storage_error", during="keeping the final state", error=repr(error)[:300])
-            return
-        self._keep_in_storage(record, location)
+            self.record_event("unsettled_at_end", why="the final state could not be kept in the run's storage "
+                                                      "(a region arriving later would not see it)",
+                              error=repr(error)[:300])
 
-    def _adopt(self, want, kind: str) -> bool:
+    def _check_current(self, generation: int | None) -> None:
+        if generation is not None and generation != self._generation:
+            raise RoundAbandoned(f"[{self.region}] the round was abandoned")
+
+    def _adopt(self, want, kind: str, generation: int | None = None) -> bool:
         """Load θ_global, momentum and outer step from a peer holding `want` (a StateRecord), or from the run's
         storage where `want` is a stored record (its region's driver may be gone)."""
-        state, source = self.sharer.load_from_peers(want, timeout=self._download_seconds()), want.region
+        download = self._download_seconds()  # per holder; a second holder at most (the round's bounds count two)
+        state, source = self.sharer.load_from_peers(want, timeout=download, total=2 * download), want.region
         if state is None:
             state, source = self._load_stored(want), "storage"
         if state is None:
             self.record_event(f"{kind}_failed", wanted_step=want.outer_step, wanted_digest=want.digest)
             return False
         old_step = self.outer.step_count
-        self._set_state(*state)
+        self._set_state(*state, generation=generation)
         self.record_event(kind, from_step=old_step, to_step=self.outer.step_count, digest=self._digest,
                           source=source)
         return True
@@ -197,14 +208,16 @@ class Membership:
         outer = self.config.outer
         return policy.download_seconds(state_bytes, outer.state_download_mbps, at_least=outer.averaging_timeout)
 
-    def _set_state(self, step: int, theta: dict, momentum: dict) -> None:
-        """Replace the outer state at once (it may run in an executor thread while `resume_state` reads)."""
+    def _set_state(self, step: int, theta: dict, momentum: dict, generation: int | None = None) -> None:
+        """Replace the outer state at once (it may run in an executor thread while `resume_state` reads); not for
+        a round that was abandoned meanwhile (`generation`: the round's, None: not a round's)."""
         cfg = self.config.outer
         outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
         outer.load_momentum(momentum)
         outer.step_count = step
         digest = state_digest(outer.global_state())
         with self._state_lock:
+            self._check_current(generation)
             self.outer, self._digest = outer, digest
         metrics.safely(metrics.record_outer_step, self.config.run.name, self.region, step)
 
@@ -216,7 +229,7 @@ class Membership:
         if target is not None:
             self._adopt(target, "region_joined")
 
-    def _rendezvous(self, arrived: float) -> policy.Run | policy.Finish:
+    def _rendezvous(self, arrived: float, generation: int | None = None) -> policy.Run | policy.Finish:
         """Our workers wait on this round from `arrived` (our monotonic clock: now, or with outer.overlap one
         window later, when they hand in the next): run `policy.Rendezvous` until it says run a round (with whom)
         or finish, carrying out what it asks (publish our phase, load a state, sleep). Loads are tried until the
@@ -228,12 +241,13 @@ class Membership:
                                     poll=POLL_SECONDS, republish=REPUBLISH_SECONDS)
 
         def attempt() -> policy.Run | policy.Finish | Again:
+            self._check_current(generation)
             action = machine.next(self._published, self._read_records(), time.monotonic())
             if isinstance(action, policy.Publish):
                 self._set_phase_safely(action.phase, waited=action.waited)
                 return Again(0.0)
             if isinstance(action, policy.Load):
-                loaded = self._adopt(action.record, "resync")
+                loaded = self._adopt(action.record, "resync", generation)
                 if loaded:
                     self._publish_safely(0)
                 machine.loaded(loaded)
@@ -247,7 +261,7 @@ class Membership:
 
         return poll(attempt)
 
-    def _settle_at_end(self) -> None:
+    def _settle_at_end(self, generation: int | None = None) -> None:
         """After our last round: once the live regions reached the last step (or max_wait passed), take the
         canonical state, so every region that finishes holds the same θ_global (a last round that failed
         mid-way or went without some region leaves them different)."""
@@ -262,20 +276,22 @@ class Membership:
                                   poll=POLL_SECONDS)
 
         def attempt() -> bool | Again:
+            self._check_current(generation)
             action = machine.next(self._published, self._read_records(), time.monotonic())
             if isinstance(action, policy.Load):
-                loaded = self._adopt(action.record, "settled_at_end")
+                loaded = self._adopt(action.record, "settled_at_end", generation)
                 if loaded:
                     self._publish_safely(0)
                 machine.loaded(loaded)
                 return Again(0.0)
             if isinstance(action, policy.Sleep):
                 return Again(action.seconds)
-            if not action.settled:  # the driver's summary then names the regions that disagree
+            self._set_phase_safely(FINISHED)
+            if action.settled:  # an unsettled end is not a final state for others to take
+                self._keep_final_state()
+            else:  # the driver's summary then names the regions that disagree, and the command fails
                 self.record_event("unsettled_at_end", why="the DHT did not answer, or the canonical state "
                                                           "could not be loaded, in time")
-            self._set_phase_safely(FINISHED)
-            self._keep_final_state()
             return True
 
         poll(attempt)

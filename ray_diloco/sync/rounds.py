@@ -56,14 +56,14 @@ class Rounds:
         bad = sum(count_nonfinite(t) for t in delta.values())
         if bad:  # a diverged region stays out of the average and takes the others' state instead
             return await self._skip_nonfinite_round(bad, pending, start)
-        expected = 1
+        expected, generation = 1, self._generation
         if self.sharer is not None:
-            decision = await self._in_executor(self._rendezvous, time.monotonic() + pending.idle_after)
+            decision = await self._in_executor(self._rendezvous, time.monotonic() + pending.idle_after, generation)
             if isinstance(decision, policy.Finish):
                 # Re-synced to the run's last step (the others finished without us): a round now would apply
                 # our stale Δ alone and end past T with a θ_global nobody else holds.
                 self.record_event("round_skipped_at_end", workers_step=workers_step)
-                await self._in_executor(self._settle_at_end)
+                await self._in_executor(self._settle_at_end, generation)
                 return {name: t.clone() for name, t in self.outer.global_state().items()}
             if decision.absent:
                 self.record_event("regions_absent", regions=list(decision.absent),
@@ -94,7 +94,7 @@ class Rounds:
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, result.group_size)
         if self.sharer is not None and self.outer.step_count >= self.config.run.outer_steps:
-            await self._in_executor(self._settle_at_end)
+            await self._in_executor(self._settle_at_end, generation)
             new_global = self.outer.global_state()  # the canonical state, if the last round left us apart
         return new_global
 

@@ -241,11 +241,14 @@ class StateSharer:
             await messages.aclose()
             await stream.aclose()
 
-    def load_from_peers(self, want: StateRecord | None = None, timeout: float = 60.0) -> State | None:
+    def load_from_peers(self, want: StateRecord | None = None, timeout: float = 60.0,
+                        total: float | None = None) -> State | None:
         """(outer_step, θ_global, momentum) from a peer whose record matches `want` (its region first, then other
         regions with the same step and digest), or the canonical state if want is None. The received θ_global
         must have want.digest; on any failure, mismatch or `timeout` (per holder: a slow or dying holder costs one
-        download) the next holder is tried. None if nobody delivered."""
+        download) the next holder is tried, while less than `total` seconds (default: no limit) have passed.
+        None if nobody delivered."""
+        started = time.monotonic()
         if self._stop.is_set():
             raise RuntimeError(f"[{self.region}] the state sharer is shut down")
         try:
@@ -262,6 +265,8 @@ class StateSharer:
                              and r.region != self.region and p != self.peer_id),
                             key=lambda h: (h[0].region != want.region, h[0].region))
         for record, peer in candidates:
+            if total is not None and time.monotonic() - started >= total:
+                break
             start = time.monotonic()
             try:
                 state = self._run(self._download(peer, record.region, want), timeout=timeout)
