@@ -34,16 +34,25 @@ from ray_diloco.step_log import StepLog
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
 
-SLOW_REGION_ENV_VAR = "RAY_DILOCO_TEST_SLOW_REGION"  # tests only: "<region>:<seconds>[:<from outer step>]"
+SLOW_REGION_ENV_VAR = "RAY_DILOCO_TEST_SLOW_REGION"  # tests only: "<region>:<seconds or file>[:<from outer step>]"
+GATE_TIMEOUT_SECONDS = 600.0
 
 
-def test_slowdown(region: str, outer_step: int) -> float:
-    """Seconds this region's workers sleep after their H inner steps (a test makes one region steadily slower
-    than the others, or late from one round on; read at run time, so a job's runtime_env sets it). 0 unless the
-    variable names `region` and the round at `outer_step` is not before the one it names."""
+def test_slowdown(region: str, outer_step: int) -> None:
+    """Tests only: hold this region's workers after their H inner steps, before the exchange (a test makes one
+    region steadily slower than the others, or late from one round on; read at run time, so a job's runtime_env
+    sets it). The value names the region, then seconds to sleep, or an absolute path to wait for (at most
+    GATE_TIMEOUT_SECONDS: the test creates it when the region may go on), then the first outer step it holds."""
     name, _, rest = os.environ.get(SLOW_REGION_ENV_VAR, "").partition(":")
-    seconds, _, first = rest.partition(":")
-    return float(seconds) if name == region and seconds and outer_step >= int(first or 0) else 0.0
+    hold, _, first = rest.partition(":")
+    if name != region or not hold or outer_step < int(first or 0):
+        return
+    if not hold.startswith("/"):
+        time.sleep(float(hold))
+        return
+    deadline = time.monotonic() + GATE_TIMEOUT_SECONDS
+    while not os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def status(line: str) -> None:
@@ -194,7 +203,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         if sync_actor is not None:
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
                 sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
-            time.sleep(test_slowdown(region, outer_step))
+            test_slowdown(region, outer_step)
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
                 outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress()))

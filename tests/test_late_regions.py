@@ -3,8 +3,8 @@ driver that made it.
 
 Real processes: three `ray-diloco train --local-regions <region>` drivers, each with a private Ray of its own, a
 local directory standing for the bucket the clusters share.
-- a and b start together; b is late for the last round (its workers sleep before the exchange of round 1) long
-  enough: a runs that round alone, finishes and its driver exits, its DHT record gone. b then
+- a and b start together; b is late for the last round (its workers are held before the exchange of round 1
+  until a's driver has exited): a runs that round alone, finishes and its driver exits, its DHT record gone. b then
   arrives and must end on a's final θ_global, taken from the run's storage (before: it ran the round alone and
   finished "settled" on another state, saying nothing).
 - c's driver starts after both have finished, with a's stored final state corrupted: it must reject that one (the
@@ -44,9 +44,11 @@ def finish(driver: Driver, timeout: float) -> str:
 
 def test_a_late_region_and_one_started_after_the_run_take_the_final_state_from_storage(tmp_path):
     config = run_config(tmp_path)
-    env = driver_env(**{SLOW_REGION_ENV_VAR: "b:60:1"})  # b's last exchange: 60 s late, after a's driver exited
+    gate = tmp_path / "a-exited"  # b's last exchange waits for it
+    env = driver_env(**{SLOW_REGION_ENV_VAR: f"b:{gate}:1"})
     a, b = (Driver(["--config", config, "--local-regions", region], env) for region in ("a", "b"))
     finish(a, timeout=400)
+    gate.touch()
     out_b = finish(b, timeout=400)
     results = tmp_path / "late"
     summary = {region: json.loads((results / f"summary-{region}.json").read_text()) for region in ("a", "b")}
