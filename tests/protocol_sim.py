@@ -32,7 +32,7 @@ import torch
 from ray_diloco.sync import policy
 from ray_diloco.sync.codecs import get_codec
 from ray_diloco.sync.outer import OuterOptimizer, state_digest, weighted_average
-from ray_diloco.sync.policy import FINISHED, READY, TRAINING, StateRecord
+from ray_diloco.sync.policy import FINISHED, READY, TRAINING, UNSETTLED, StateRecord
 
 POLL = 0.5  # as ray_diloco.sync.membership.POLL_SECONDS
 REPUBLISH = 1.0  # as ray_diloco.sync.membership.REPUBLISH_SECONDS
@@ -427,7 +427,7 @@ class Simulator:
                     if action.phase == READY and not said_ready:
                         self.out.ready.append((region.outer.step_count, name, arrived))
                     said_ready = action.phase == READY
-                elif isinstance(action, policy.Load):
+                elif isinstance(action, policy.Adopt):
                     loaded = yield from self._load(region, action.record)
                     machine.loaded(loaded)
                     if loaded and rules.publish_adoption:
@@ -482,18 +482,19 @@ class Simulator:
             if self.now - started > self.s.max_wait + self.download_bound() + self.s.download + POLL + 1e-6:
                 self.out.violations.append(f"bounded: {name} settled for {self.now - started:.1f}s")
             action = machine.next(self.rules.vote(region), self.read(name), self.clock(name))
-            if isinstance(action, policy.Load):
+            if isinstance(action, policy.Adopt):
                 loaded = yield from self._load(region, action.record)
                 machine.loaded(loaded)
                 if loaded:
                     self.publish(region, 0)
             elif isinstance(action, policy.Sleep):
                 yield action.seconds / (1.0 + region.plan.clock_drift)
-            else:
-                if not action.settled:
+            else:  # as Membership._settle_at_end: an unchecked end is published as such and not kept as final
+                self._set_phase(region, FINISHED if action.settled else UNSETTLED)
+                if action.settled:
+                    self._keep_final_state(region)
+                else:
                     self.out.unsettled.add(name)
-                self._set_phase(region, FINISHED)
-                self._keep_final_state(region)
                 return
 
 

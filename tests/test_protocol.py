@@ -18,6 +18,7 @@ Set PROTOCOL_EXAMPLES to run more schedules (default 300, derandomized so CI is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -265,3 +266,16 @@ def test_fused_step_differs_from_the_separately_rounded_one():
         a.step(delta)
         fused_outer_step(b, delta, "avx2")
     assert not torch.equal(a.params["w"], b.params["w"])
+
+
+def test_an_unsettled_end_does_not_compete_with_a_settled_one():
+    """Found by the property test once the simulator modelled slow downloads: c's DHT is down through its end, so
+    it ends unchecked; b settles alone before c's record reappears; a (90 s downloads) reaches the end last. c
+    used to publish FINISHED like b, and a took c's state by the tie-break, so a and b, both settled, differed.
+    An unchecked end is UNSETTLED now: not a final state the others take."""
+    plan = functools.partial(RegionPlan, window_seconds=20.0)
+    schedule = Schedule((plan("a", jitter=(45.0,)), plan("b"), plan("c", dht_down=((96.0, 134.0),))), target=2,
+                        max_wait=MAX_WAIT, matchmaking=MATCHMAKING, ttl=TTL, download=90.0)
+    out, found = simulate(schedule)
+    assert not found, found
+    assert out.unsettled == {"c"} and out.finished["a"] == out.finished["b"]

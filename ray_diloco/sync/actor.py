@@ -51,7 +51,7 @@ from ray_diloco.sync.averaging import RegionAverager
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
-from ray_diloco.sync.policy import FINISHED, StateRecord
+from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
 from ray_diloco.sync.rounds import PendingRound, Rounds
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class SyncActorImpl(Membership, Rounds):
         self.committed = (step, worker_checkpoint)
         # A region starting after our driver is gone can join from it; never over our final record (a checkpoint
         # of the last step comes after the region finished).
-        if self.sharer is not None and self._published.phase != FINISHED:
+        if self.sharer is not None and self._published.phase not in (FINISHED, UNSETTLED):
             record = StateRecord(self.region, step, digest, 0)
             await asyncio.get_running_loop().run_in_executor(None, self._keep_in_storage, record, location)
         metrics.safely(metrics.record_checkpoint, self.config.run.name, self.region, outer_step=step)

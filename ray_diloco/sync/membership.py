@@ -26,7 +26,7 @@ import torch
 from ray_diloco import metrics
 from ray_diloco.sync import durable, peers, policy
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
-from ray_diloco.sync.policy import FINISHED, TRAINING, StateRecord
+from ray_diloco.sync.policy import FINISHED, TRAINING, UNSETTLED, StateRecord
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class Membership:
             if isinstance(action, policy.Publish):
                 self._set_phase_safely(action.phase, waited=action.waited)
                 return Again(0.0)
-            if isinstance(action, policy.Load):
+            if isinstance(action, policy.Adopt):
                 loaded = self._adopt(action.record, "resync", generation)
                 if loaded:
                     self._publish_safely(0)
@@ -266,7 +266,7 @@ class Membership:
         canonical state, so every region that finishes holds the same θ_global (a last round that failed
         mid-way or went without some region leaves them different)."""
         cfg = self.config
-        if self._published is not None and self._published.phase == FINISHED:
+        if self._published is not None and self._published.phase in (FINISHED, UNSETTLED):
             # Settled once already (a re-sync reached the end during an overlapped round): a finished region's
             # state is final, the others may have taken it since.
             return
@@ -278,7 +278,7 @@ class Membership:
         def attempt() -> bool | Again:
             self._check_current(generation)
             action = machine.next(self._published, self._read_records(), time.monotonic())
-            if isinstance(action, policy.Load):
+            if isinstance(action, policy.Adopt):
                 loaded = self._adopt(action.record, "settled_at_end", generation)
                 if loaded:
                     self._publish_safely(0)
@@ -286,7 +286,7 @@ class Membership:
                 return Again(0.0)
             if isinstance(action, policy.Sleep):
                 return Again(action.seconds)
-            self._set_phase_safely(FINISHED)
+            self._set_phase_safely(FINISHED if action.settled else UNSETTLED)
             if action.settled:  # an unsettled end is not a final state for others to take
                 self._keep_final_state()
             else:  # the driver's summary then names the regions that disagree, and the command fails

@@ -6,7 +6,8 @@ A region's life, as the SyncActor runs it with these functions:
 1. join: `join_target` — a region starting (fresh, resumed, late) takes the others' canonical state if ahead;
 2. each round, `Rendezvous` (a state machine: records in, one action out — publish our phase, load a state,
    sleep, or end with Run or Finish), deciding with `plan_round`;
-3. after the last round, `settle_at_end`, then FINISHED: the region never changes its state again;
+3. after the last round, `Settling` (deciding with `settle_at_end`), then FINISHED (or UNSETTLED, where it could
+   not check its state): the region never changes its state again;
 4. a round with a non-finite Δ: the region sits it out (OUT) and takes `newer_state`, or stops.
 Every load is bounded by `download_seconds` (the state's size at the slowest allowed link).
 
@@ -52,7 +53,10 @@ TRAINING = "training"  # its workers are on their inner steps towards the round 
 READY = "ready"  # its workers' shards are in: it waits to average the round at `outer_step`
 OUT = "out"  # it sits the round at `outer_step` out (a non-finite Δ): nobody waits for it
 FINISHED = "finished"  # it ended the run with this state and will not change it again
-PHASES = (TRAINING, READY, OUT, FINISHED)
+# It ended the run without checking its state against the others' (its DHT did not answer, or the final state
+# could not be loaded, in time): done, but not a final state the others take (it would compete with a settled one).
+UNSETTLED = "unsettled"
+PHASES = (TRAINING, READY, OUT, FINISHED, UNSETTLED)
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,9 @@ class Run:
 
 @dataclass(frozen=True)
 class Adopt:
-    """Load this peer's state first (ours is behind or lost the canonical vote), then ask again."""
+    """Load this peer's state first (ours is behind or lost the canonical vote), then ask again. From the state
+    machines (`Rendezvous`, `Settling`): load it (and publish it if that worked), report the outcome with
+    `loaded`."""
     record: StateRecord
 
 
@@ -194,12 +200,6 @@ class Publish:
 
 
 @dataclass(frozen=True)
-class Load:
-    """Load `record`'s state (and publish it if that worked); report the outcome with `Rendezvous.loaded`."""
-    record: StateRecord
-
-
-@dataclass(frozen=True)
 class Sleep:
     """Read the records again after `seconds`."""
     seconds: float
@@ -207,8 +207,8 @@ class Sleep:
 
 class Rendezvous:
     """What a region whose workers' shards are in does until it averages or finishes: `next` takes what the region
-    reads now (its published record, the records, its monotonic clock) and returns one action, Publish, Load,
-    Sleep, or the end: Run or Finish. The caller carries the action out and asks again. No I/O here: the
+    reads now (its published record, the records, its monotonic clock) and returns one action, Publish, Adopt
+    (load that state), Sleep, or the end: Run or Finish. The caller carries the action out and asks again. No I/O here: the
     SyncActor (`Membership._rendezvous`) and the simulator drive the same machine.
 
     Rules: `plan_round` decides. A region says it is ready once it holds the state it will average from, and says
@@ -232,7 +232,7 @@ class Rendezvous:
         self.last_load_ok, self.sleep_first = ok, not ok
 
     def next(self, own: StateRecord, records: list[StateRecord] | None,
-             now: float) -> Run | Finish | Publish | Load | Sleep:
+             now: float) -> Run | Finish | Publish | Adopt | Sleep:
         self.ready_at = ready_times(self.ready_at, records, now)
         decision = self.plan(own, records, target=self.target, arrived=self.arrived, now=now, max_wait=self.max_wait,
                              fallback_expected=1,  # the DHT is unreadable: nobody could see us ready either
@@ -246,7 +246,7 @@ class Rendezvous:
             if self.sleep_first:
                 self.sleep_first = False
                 return Sleep(self.poll)
-            return Load(decision.record)
+            return decision
         if isinstance(decision, Finish):
             return decision
         if self.said_ready is None or (isinstance(decision, Wait) and now - self.said_ready >= self.republish):
@@ -277,7 +277,7 @@ def settle_at_end(own: StateRecord, records: list[StateRecord] | None, *, target
 
 class Settling:
     """After a region's last round, until it finishes (publishes FINISHED and keeps its final state): `next`
-    returns Load, Sleep, or Finish (settled=False: it ends unchecked and says so), deciding with `settle_at_end`.
+    returns Adopt (load that state), Sleep, or Finish (settled=False: it ends unchecked and says so), deciding with `settle_at_end`.
     A state that cannot be loaded is tried until `give_up` (max_wait plus one download after the end). The
     SyncActor (`Membership._settle_at_end`) and the simulator drive the same machine."""
 
@@ -290,13 +290,13 @@ class Settling:
     def loaded(self, ok: bool) -> None:
         self.load_failed = not ok
 
-    def next(self, own: StateRecord, records: list[StateRecord] | None, now: float) -> Load | Sleep | Finish:
+    def next(self, own: StateRecord, records: list[StateRecord] | None, now: float) -> Adopt | Sleep | Finish:
         if self.load_failed:
             self.load_failed = False
             return Finish(settled=False) if now > self.give_up else Sleep(self.poll)
         decision = self.settle(own, records, target=self.target, ended=self.ended, now=now, max_wait=self.max_wait)
         if isinstance(decision, Adopt):
-            return Load(decision.record)
+            return decision
         if isinstance(decision, Finish):
             return decision
         return Finish(settled=False) if now > self.give_up else Sleep(max(0.0, min(self.poll, decision.deadline - now)))
