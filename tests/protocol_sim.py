@@ -348,29 +348,41 @@ class Simulator:
                      self._resume(m.process, m.region, m.incarnation, (a, c, g, log)))
 
     # -- one region: its SyncActor and its workers -------------------------------------------------------
-    def _region(self, plan: RegionPlan, incarnation: int, resume: bool):
-        name, rules, s = plan.name, self.rules, self.s
+    def _new_region(self, plan: RegionPlan, incarnation: int, resume: bool) -> _Region:
+        """A region's SyncActor starting: from its last checkpoint (resume) or from the initial state."""
         theta = initial_theta()
-        if resume and name in self.checkpoints:
-            step, theta, momentum, progress = self.checkpoints[name]
+        if resume and plan.name in self.checkpoints:
+            step, theta, momentum, progress = self.checkpoints[plan.name]
         else:
             step, momentum, progress = 0, {}, 0
         outer = OuterOptimizer(theta, lr=0.7, momentum=0.9, nesterov=True)
         outer.load_momentum(momentum)
         outer.step_count = step
         region = _Region(plan, outer, state_digest(outer.global_state()), progress, incarnation=incarnation)
-        self.regions[name] = region
-        self.out.windows.setdefault(name, [])
-        yield 0.0
+        self.regions[plan.name] = region
+        self.out.windows.setdefault(plan.name, [])
+        return region
+
+    def _join(self, region: _Region):
+        """As Membership._join_if_behind, then the first publish. Returns False if the region ended (old rule)."""
+        name = region.plan.name
         records = self.read(name)
-        if records is None and rules.dht_errors_fatal:
+        if records is None and self.rules.dht_errors_fatal:
             self.out.dead[name] = "DHT read failed while joining"
-            return
+            return False
         own = StateRecord(name, region.outer.step_count, region.digest, 0)
         target = policy.join_target(own, records or [])
         if target is not None:
             yield from self._load(region, target)
         self.publish(region, 0)
+        return True
+
+    def _region(self, plan: RegionPlan, incarnation: int, resume: bool):
+        name, rules, s = plan.name, self.rules, self.s
+        region = self._new_region(plan, incarnation, resume)
+        yield 0.0
+        if not (yield from self._join(region)):
+            return
         stale_base = None  # the old handshake: a group restarted during a round took the state of before it
         overlapped = None  # overlap: (the θ the workers train from, when they started) after an overlapped round
         round_ended = self.now  # the end of the region's last round (its start, or its group's restart)
@@ -412,43 +424,9 @@ class Simulator:
                 overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
             before_round = (region.outer.step_count, region.digest,
                             {k: v.clone() for k, v in region.outer.global_state().items()})
-            local_arrived, result, said_ready = self.clock(name, arrived), None, False
-            machine = policy.Rendezvous(target=s.target, arrived=local_arrived, max_wait=s.max_wait,
-                                        give_up=local_arrived + s.max_wait + self.download_bound(), poll=POLL,
-                                        republish=REPUBLISH, plan=rules.plan_round, chase_bound=rules.chase_bound)
-            while True:  # as Membership._rendezvous: the same machine, on this region's own clock
-                records = self.read(name)
-                if records is None and rules.dht_errors_fatal:
-                    self.out.dead[name] = "DHT read failed before a round"
-                    return
-                action = machine.next(rules.vote(region), records, self.clock(name))
-                if isinstance(action, policy.Publish):
-                    self._set_phase(region, action.phase, waited=action.waited)
-                    if action.phase == READY and not said_ready:
-                        self.out.ready.append((region.outer.step_count, name, arrived))
-                    said_ready = action.phase == READY
-                elif isinstance(action, policy.Adopt):
-                    loaded = yield from self._load(region, action.record)
-                    machine.loaded(loaded)
-                    if loaded and rules.publish_adoption:
-                        self.publish(region, 0)
-                    elif loaded:
-                        yield POLL  # the old actor: the next decision reads the records again
-                elif isinstance(action, policy.Sleep):
-                    yield action.seconds / (1.0 + plan.clock_drift)
-                elif isinstance(action, policy.Finish):
-                    break
-                else:
-                    asked = self.now
-                    result = yield _Request(name, region.outer.step_count, delta, 1.0, action.expected,
-                                            full_key(region.outer), None, incarnation)
-                    if self.now - asked > s.matchmaking + TRANSFER + 1e-6:
-                        self.out.violations.append(f"bounded: {name} waited {self.now - asked:.1f}s in averaging")
-                    break
-                # A canonical state whose holder died cannot be loaded until its record expires (ttl); a load begun
-                # just before the give-up time ends one download after it.
-                if self.now - arrived > s.max_wait + max(s.ttl, self.download_bound() + s.download) + POLL + 1e-6:
-                    self.out.violations.append(f"bounded: {name} waited {self.now - arrived:.1f}s to rendezvous")
+            result = yield from self._rendezvous(region, arrived, delta)
+            if result is False:
+                return
             round_ended = self.now
             if result is not None:
                 averaged, consistent, group, log = result
@@ -470,6 +448,48 @@ class Simulator:
                 if s.leave_after_finish is not None:
                     self._at(self.now + s.leave_after_finish, lambda: self._leave(name))
                 return
+
+    def _rendezvous(self, region: _Region, arrived: float, delta: dict):
+        """As Membership._rendezvous: the same machine, on this region's own clock. Returns the averager's result,
+        None if the region finishes without a round, False if it ended (a DHT error was fatal: an old rule)."""
+        name, rules, s = region.plan.name, self.rules, self.s
+        local_arrived, said_ready = self.clock(name, arrived), False
+        machine = policy.Rendezvous(target=s.target, arrived=local_arrived, max_wait=s.max_wait,
+                                    give_up=local_arrived + s.max_wait + self.download_bound(), poll=POLL,
+                                    republish=REPUBLISH, plan=rules.plan_round, chase_bound=rules.chase_bound)
+        while True:
+            records = self.read(name)
+            if records is None and rules.dht_errors_fatal:
+                self.out.dead[name] = "DHT read failed before a round"
+                return False
+            action = machine.next(rules.vote(region), records, self.clock(name))
+            if isinstance(action, policy.Publish):
+                self._set_phase(region, action.phase, waited=action.waited)
+                if action.phase == READY and not said_ready:
+                    self.out.ready.append((region.outer.step_count, name, arrived))
+                said_ready = action.phase == READY
+            elif isinstance(action, policy.Adopt):
+                loaded = yield from self._load(region, action.record)
+                machine.loaded(loaded)
+                if loaded and rules.publish_adoption:
+                    self.publish(region, 0)
+                elif loaded:
+                    yield POLL  # the old actor: the next decision reads the records again
+            elif isinstance(action, policy.Sleep):
+                yield action.seconds / (1.0 + region.plan.clock_drift)
+            elif isinstance(action, policy.Finish):
+                return None
+            else:
+                asked = self.now
+                result = yield _Request(name, region.outer.step_count, delta, 1.0, action.expected,
+                                        full_key(region.outer), None, region.incarnation)
+                if self.now - asked > s.matchmaking + TRANSFER + 1e-6:
+                    self.out.violations.append(f"bounded: {name} waited {self.now - asked:.1f}s in averaging")
+                return result
+            # A canonical state whose holder died cannot be loaded until its record expires (ttl); a load begun
+            # just before the give-up time ends one download after it.
+            if self.now - arrived > s.max_wait + max(s.ttl, self.download_bound() + s.download) + POLL + 1e-6:
+                self.out.violations.append(f"bounded: {name} waited {self.now - arrived:.1f}s to rendezvous")
 
     def _settle(self, region: _Region):
         if self.rules.settle_at_end is None:
