@@ -87,11 +87,18 @@ class Head:
         return done
 
     def stop(self):
-        os.killpg(self.process.pid, signal.SIGTERM)
+        # SIGTERM to `ray start` alone: it drains the node through its GCS, then stops its processes (~3 s). To
+        # the whole group, the GCS died first and the drain waited for it until its timeout (33-60 s per head).
+        self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(60)
         except subprocess.TimeoutExpired:
+            pass
+        try:  # anything of the head's group still there
             os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
         self.log.close()
 
 
