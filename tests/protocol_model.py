@@ -1,0 +1,144 @@
+"""What the protocol simulator (`tests/protocol_sim.py`) runs and checks: a schedule of regions (`Schedule`,
+`RegionPlan`: window times, faults, clocks), the rules the simulated SyncActor follows (`Rules`: today's code by
+default, the old rules for the fault-finding tests), what a run produced (`Outcome`), and the invariants it must
+keep (`violations`). The simulator itself is the event loop, the DHT, the averager and the regions.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ray_diloco.sync import policy
+from ray_diloco.sync.outer import OuterOptimizer, state_digest
+from ray_diloco.sync.policy import StateRecord
+
+POLL = 0.5  # as ray_diloco.sync.membership.POLL_SECONDS
+REPUBLISH = 1.0  # as ray_diloco.sync.membership.REPUBLISH_SECONDS
+TRANSFER = 0.2  # seconds an all-reduce of the tiny tensors takes once the group formed
+COMPRESSION = "scaled-fp16"
+
+
+def default_outer_step(outer: OuterOptimizer, averaged: dict, cpu: str) -> None:
+    outer.step(averaged)
+
+
+@dataclass(frozen=True)
+class Rules:
+    plan_round: Callable = policy.plan_round
+    settle_at_end: Callable | None = policy.settle_at_end  # None: a region ends right after its last round
+    vote: Callable[[_Region], StateRecord] = lambda region: region.published  # the record a region votes with
+    publish_adoption: bool = True  # a region that adopted a state publishes it at once
+    atomic_handshake: bool = True  # a restarted group's state is taken after the round in flight
+    check_exchange_step: bool = True  # exchange refuses shards trained from another outer step
+    dht_errors_fatal: bool = False  # a DHT read that fails ends the region
+    outer_step: Callable[[OuterOptimizer, dict, str], None] = default_outer_step
+    blocking_time_deadline: bool = True  # overlap: the deadline counts from when the region would be in if blocking
+    wall_clock_ready: bool = False  # (before issue 22) a record carried the wall-clock time its region was ready
+    stored_finals: bool = True  # a finished region's final state stays in the run's storage (sync/durable.py)
+    chase_bound: bool = True  # a rendezvous stops re-syncing at its give-up time even while adoptions succeed
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    name: str
+    window_seconds: float  # H inner steps
+    jitter: tuple[float, ...] = ()  # extra seconds of window w: jitter[w % len]
+    start_at: float = 0.0
+    depart_at: float | None = None  # gone for good
+    crash_at: float | None = None  # actor and workers die; back `downtime` later from the last checkpoint
+    restarts: tuple[float, ...] = ()  # the worker group restarts (Ray Train) at these times
+    dht_down: tuple[tuple[float, float], ...] = ()  # intervals in which this region's DHT calls fail
+    cpu: str = "default"  # the kernel path of the host of its SyncActor
+    clock_offset: float = 0.0  # its host's clock reads clock_offset + (1 + clock_drift) * simulated time
+    clock_drift: float = 0.0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    regions: tuple[RegionPlan, ...]
+    target: int = 4  # run.outer_steps
+    failing_steps: frozenset[int] = frozenset()  # outer steps whose group round fails mid-way (once)
+    max_wait: float = 30.0
+    matchmaking: float = 5.0
+    ttl: float = 20.0
+    downtime: float = 15.0
+    restart_seconds: float = 2.0
+    overlap: bool = False  # outer.overlap: a round runs while the workers train the next window
+    averaging_timeout: float = 10.0  # a settling region gives up loading a state max_wait + this after its end
+    download: float = 0.0  # seconds a state download takes (a holder that died or moved on meanwhile fails it)
+    leave_after_finish: float | None = None  # a finished region's driver exits then: its DHT record and server go
+
+
+@dataclass
+class _Region:
+    plan: RegionPlan
+    outer: OuterOptimizer
+    digest: str
+    progress: int = 0  # the next data window
+    published: StateRecord | None = None
+    incarnation: int = 0
+
+
+@dataclass
+class Outcome:
+    finished: dict[str, tuple[int, str]] = field(default_factory=dict)  # region -> (step, digest) when it ended
+    rounds: list[dict] = field(default_factory=list)  # every group the averager formed
+    violations: list[str] = field(default_factory=list)  # broken invariants seen while running
+    windows: dict[str, list[int]] = field(default_factory=dict)  # data windows whose round completed, in order
+    gone: set[str] = field(default_factory=set)  # departed for good
+    dead: dict[str, str] = field(default_factory=dict)  # region -> why it ended without finishing
+    unsettled: set[str] = field(default_factory=set)  # ended without reading the others' records (DHT down)
+    ready: list[tuple[int, str, float]] = field(default_factory=list)  # (outer step, region, when it was ready)
+
+
+@dataclass
+class _Request:
+    region: str
+    step: int
+    delta: dict
+    weight: float
+    expected: int
+    state_key: tuple  # (step, θ digest, momentum digest) when it asked
+    process: object
+    incarnation: int
+
+
+def initial_theta() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 2, generator=g), "b": torch.randn(4, generator=g)}
+
+
+def window_update(region: str, window: int, like: dict) -> dict[str, torch.Tensor]:
+    """What H inner steps on data window `window` of `region` do to θ (fixed, so replays are exact)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{region}/{window}".encode()))
+    return {name: 1e-2 * torch.randn(t.shape, generator=g) for name, t in like.items()}
+
+
+def full_key(outer: OuterOptimizer) -> tuple:
+    return outer.step_count, state_digest(outer.global_state()), state_digest(outer.momentum_state())
+
+
+def violations(schedule: Schedule, out: Outcome) -> list[str]:
+    """Every invariant of the protocol issue that this run broke (empty: all held)."""
+    found = list(out.violations)
+    # A region whose DHT was down through its whole settling time cannot know the canonical state: it says so
+    # (event unsettled_at_end; the driver's summary lists disagreeing regions and exports the canonical state).
+    finals = {state for name, state in out.finished.items() if name not in out.unsettled}
+    if len(finals) > 1:
+        found.append(f"agreement: regions finished with different states {sorted(out.finished.items())}")
+    for name, (step, _) in out.finished.items():
+        if step != schedule.target:
+            found.append(f"agreement: {name} finished at step {step}, not {schedule.target}")
+    for r in out.rounds:
+        after = r["after"]
+        if r["consistent"] and len(r["members"]) > 1 and set(r["members"]) >= set(r["live"]):
+            if len(set(after.values())) > 1:
+                found.append(f"recovery: round {r['step']} with every live region {r['members']} left them apart")
+    for name, windows in out.windows.items():
+        if windows != list(range(len(windows))):
+            found.append(f"windows: {name} trained windows {windows} (one twice or skipped)")
+    return found
