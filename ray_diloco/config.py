@@ -279,8 +279,10 @@ class RunConfig:
     shards, schedule and data position, through Ray Train) and its outer state (θ_global, momentum, outer
     step); 0: never."""
     checkpoint_path: str | None = None
-    """Where checkpoints go: a local directory or an `s3://`, `gs://` URI reachable from every node
-    (default: output_dir/name/checkpoints). Also the Ray Train storage path."""
+    """The bucket every cluster of the run shares: a local directory or an `s3://`, `gs://` URI reachable from
+    every node (default: output_dir). Everything the run writes there lives under `<checkpoint_path>/<name>/`
+    (`storage()`): its checkpoints (also Ray Train's storage path), peer files, stored states and leases, so
+    runs sharing a bucket never see, continue or prune each other's files."""
     resume: bool = False
     """Require continuing from checkpoints (an error if there are none). Without it a run whose name already
     has committed checkpoints for every region continues from them too, as Ray Train does."""
@@ -325,9 +327,9 @@ class RunConfig:
         return f"{self.storage()}/states"
 
     def checkpoint_root(self) -> str:
-        if self.checkpoint_path:
-            return self.checkpoint_path if "://" in self.checkpoint_path else local_path(self.checkpoint_path)
-        return os.path.join(local_path(self.output_dir), self.name, "checkpoints")
+        """`<storage>/checkpoints`: each region's outer checkpoints (`<region>/outer-N`) and the Ray Train runs
+        of its workers (`<run>-<region>/`)."""
+        return f"{self.storage()}/checkpoints"
 
     def __post_init__(self) -> None:
         _require(

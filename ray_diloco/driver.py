@@ -7,6 +7,7 @@ It runs wherever `ray job submit` or `ray-diloco train` starts it; the work itse
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -35,7 +36,8 @@ from ray_diloco.outcome import (TrainingOutcome, baseline_outcome, build_summary
                                 finished_elsewhere)
 from ray_diloco.plots import write_loss_png
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
-from ray_diloco.run_setup import PreparedRun, prepare_run, training_groups
+from ray_diloco.run_setup import PreparedRun, prepare_run, resume_plan, training_groups
+from ray_diloco.run_storage import held_regions
 from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release_all, wait_for_groups,
                                    wait_until_dead)
 from ray_diloco.stopping import RunStop, RunStopped
@@ -239,11 +241,17 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
     before its own checks): a stop before training raises `RunStopped`; one during training ends it at an
     outer-step boundary; one after training lets it finish."""
     started = time.perf_counter()
-    with (contextlib.nullcontext(stop) if stop is not None else RunStop()) as stop:
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(contextlib.nullcontext(stop) if stop is not None else RunStop())
         stop.timeout = cfg.run.stop_timeout_seconds
         groups = training_groups(cfg)
         prepared = prepared or prepare_run(cfg, groups)
         cfg, out_dir = prepared.cfg, prepared.out_dir
+        # One driver per region: a second one refuses here, in one line, before Ray starts.
+        took_over = stack.enter_context(held_regions(cfg.run, [g.name for g in groups], lambda region: stop.abort(
+            f"region {region}: another driver took over its lease")))
+        if took_over and cfg.run.mode == "diloco":  # the previous driver may have committed since it was planned
+            prepared = dataclasses.replace(prepared, resume=resume_plan(cfg))
         try:
             connect_ray(address, cfg, groups, after_init=stop.reinstall)
         except SystemExit as exit_:  # ray.init's own SIGTERM handler, before ours is back in place

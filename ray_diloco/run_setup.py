@@ -118,6 +118,9 @@ def check_continuation(stored_yaml: str, cfg: ExperimentConfig, where: str) -> N
     except (ConfigError, yaml.YAMLError) as error:
         raise ConfigError(f"--run-name: {where} holds a config this version cannot read ({error}); "
                           "choose another --run-name") from None
+    if stored.run.name not in (None, cfg.run.name):  # a run's directory copied or renamed by hand
+        raise ConfigError(f"--run-name {cfg.run.name}: {where} belongs to run {stored.run.name!r}; choose another "
+                          "--run-name or --checkpoint-path")
     breaking, allowed = config_changes(stored, cfg)
     if breaking:
         raise ConfigError(f"--run-name {cfg.run.name}: {where} belongs to a run with another "

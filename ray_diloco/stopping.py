@@ -106,6 +106,14 @@ class RunStop:
         """Training is over: signals no longer interrupt anything."""
         self.phase = "finishing"
 
+    def abort(self, why: str) -> None:
+        """Stop now, without a checkpoint: this driver may no longer write the run's files (its lease on a
+        region was taken over). Safe from any thread."""
+        print(f"[driver] {why}: stopping now, without a checkpoint", flush=True)
+        self.requested_at = self.requested_at or time.monotonic()
+        self.forced = True
+        self.requested.set()
+
     def raise_if_requested(self) -> None:
         """At a start-up step: a stop asked for so far ends the run here."""
         if self.phase == "starting" and self.requested.is_set():

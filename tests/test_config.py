@@ -77,7 +77,8 @@ def test_train_flags_reach_the_config():
     assert [r.name for r in cfg.regions] == ["us", "eu"]
     assert (cfg.run.checkpoint_every, cfg.run.checkpoint_path, cfg.run.max_failures, cfg.run.resume,
             cfg.run.outer_steps) == (3, "s3://bucket/ckpt", 4, True, 9)
-    assert cfg.run.checkpoint_root() == "s3://bucket/ckpt"
+    # Everything of the run lives under its name in the shared bucket (runs sharing it stay apart).
+    assert cfg.run.checkpoint_root() == "s3://bucket/ckpt/again/checkpoints"
 
 
 def test_a_worker_range_is_an_elastic_region_of_one_cluster():

@@ -99,7 +99,7 @@ def test_an_elastic_region_scales_in_and_out_and_trains_every_window_once(tmp_pa
         actor = _actor("elastic", "us")
         # After us is up: a region never seen is not waited for.
         others["eu"] = start_region(config, "eu", tmp_path / "eu.log")
-        committed = tmp_path / "bucket" / "us" / "outer-000002" / "COMMITTED"
+        committed = tmp_path / "bucket" / "elastic" / "checkpoints" / "us" / "outer-000002" / "COMMITTED"
         wait_for(committed.exists, 600, "us's checkpoint of outer step 2, written by 2 workers")
         assert len(ray.get(actor.worker_pids.remote())) == 2
         cluster.remove_node(workers.pop())  # scale-in: a node (and the worker on it) is gone

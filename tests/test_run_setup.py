@@ -2,6 +2,7 @@
 changes a continued run refuses, and the resource check that replaces a hang with one line."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -77,6 +78,10 @@ def test_resume_plan_reads_the_stores_and_refuses_a_breaking_change(tmp_path):
     message = str(error.value)
     assert "data.seq_len: 128 -> 64" in message and "model.num_layers: 2 -> 3" in message
     assert "\n" not in message
+    # Another run's checkpoints (its directory renamed by hand) are never continued under a new name.
+    os.rename(tmp_path / "r", tmp_path / "s")
+    with pytest.raises(ConfigError, match=r"^--run-name s: .* belongs to run 'r'"):
+        resume_plan(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name="s")))
 
 
 def test_config_changes_split_breaking_from_allowed():
