@@ -247,17 +247,17 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
         groups = training_groups(cfg)
         prepared = prepared or prepare_run(cfg, groups)
         cfg, out_dir = prepared.cfg, prepared.out_dir
-        # One driver per region: a second one refuses here, in one line, before Ray starts.
-        took_over = stack.enter_context(held_regions(cfg.run, [g.name for g in groups], lambda region: stop.abort(
-            f"region {region}: another driver took over its lease")))
-        if took_over and cfg.run.mode == "diloco":  # the previous driver may have committed since it was planned
-            prepared = dataclasses.replace(prepared, resume=resume_plan(cfg))
         try:
             connect_ray(address, cfg, groups, after_init=stop.reinstall)
         except SystemExit as exit_:  # ray.init's own SIGTERM handler, before ours is back in place
             raise RunStopped("stopped on request before training started: Ray was starting") from exit_
         check_cluster(cfg, groups)
         check_elastic_region(cfg, groups)
+        # One driver per region: a second one refuses here, in one line, before anything is written or started.
+        took_over = stack.enter_context(held_regions(cfg.run, [g.name for g in groups], lambda region: stop.abort(
+            f"region {region}: another driver took over its lease")))
+        if took_over and cfg.run.mode == "diloco":  # the previous driver may have committed since it was planned
+            prepared = dataclasses.replace(prepared, resume=resume_plan(cfg))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"config{prepared.suffix}.yaml").write_text(cfg.to_yaml())
         print(f"[driver] run {cfg.run.name}: results in {out_dir}, checkpoints in {cfg.run.checkpoint_root()}",

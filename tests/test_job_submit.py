@@ -168,9 +168,10 @@ def job_status(head: Head, job_id: str) -> str:
 
 
 def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_same_model(tmp_path):
-    """The README's job flow: `ray job stop` mid-run ends the run at the next outer step with a checkpoint and
-    `stopped: true`; the same command submitted again after an edit to the working directory continues and
-    ends with the θ_global and data fingerprint of a run that was never stopped."""
+    """The README's job flow: the same job submitted while the first runs is refused (one driver per region);
+    `ray job stop` mid-run ends the run at the next outer step with a checkpoint and `stopped: true`; the same
+    command submitted again after an edit to the working directory continues and ends with the θ_global and
+    data fingerprint of a run that was never stopped."""
     from ray_diloco.cli import main
 
     head = Head(4, tmp_path)  # the README: `ray start --head --num-cpus 4`
@@ -182,6 +183,13 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
         assert started.returncode == 0, started.stdout[-3000:]
         job_id = started.stdout.split("raysubmit_", 1)[1].split()[0].strip("'\"")
         job_id = f"raysubmit_{job_id}"
+        # The same job submitted again while the first runs (a double click, a retry): refused in one line, as
+        # soon as it sees the first driver renew its lease on the regions, before it writes or starts anything.
+        wait_for_log(head, job_id, "[driver] run first: results in", timeout=300)
+        again = head.submit(clone, *flags)
+        assert again.returncode != 0, again.stdout[-3000:]
+        assert "ray-diloco: error: region region-a is run by another driver" in again.stdout, again.stdout[-3000:]
+        assert "Traceback" not in again.stdout, again.stdout[-3000:]
         wait_for_log(head, job_id, "outer step 1/4 synced", timeout=300)
         stop = subprocess.run([RAY, "job", "stop", job_id], env=head.env, capture_output=True, text=True, timeout=400)
         assert stop.returncode == 0 and "was stopped" in job_status(head, job_id), stop.stdout[-2000:] + stop.stderr

@@ -14,7 +14,7 @@ import torch
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ConfigError
 from ray_diloco.presets import tiny_cpu
-from ray_diloco.run_storage import LeaseHeld, RegionLease, claim_storage, leases_dir
+from ray_diloco.run_storage import LeaseHeld, RegionLease, claim_storage
 
 
 def run_in(bucket, name, **fields):
@@ -110,22 +110,3 @@ def test_a_holder_whose_lease_was_taken_over_is_told_once(tmp_path):
     assert lost == ["eu"]
     holder.release()  # not its lease any more: left in place
     assert intruder.current().holder == intruder.lease.holder
-
-
-def test_the_cli_refuses_a_region_another_driver_holds_before_ray_starts(tmp_path, capsys):
-    from ray_diloco.cli import main
-
-    run = run_in(tmp_path / "bucket", "held")
-    lease = RegionLease(leases_dir(run), "region-a", period=0.5)
-    lease.acquire()
-    try:
-        code = main(["train", "--regions", "2", "--run-name", "held", "--checkpoint-path", str(tmp_path / "bucket"),
-                     "--output-dir", str(tmp_path / "bucket" / "out")])
-    finally:
-        lease.release()
-    error = capsys.readouterr().err.strip()
-    assert code == 2 and error.count("\n") == 0, error
-    assert error.startswith("ray-diloco: error: region region-a is run by another driver"), error
-    import ray
-
-    assert not ray.is_initialized()
