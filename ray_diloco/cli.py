@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-name", help="run id: output sub-directory and Hivemind matchmaking scope")
     train.add_argument("--seed", type=int)
     train.add_argument("--initial-peers", help="comma-separated Hivemind multiaddrs of a running region")
+    train.add_argument("--listen-host", help="address this driver's region's Hivemind node listens on "
+                       "(0.0.0.0 across machines; default outer.host)")
+    train.add_argument("--port", type=int, help="TCP port of this driver's region's Hivemind node (fixed where a "
+                       "firewall or NAT forward names it; default outer.port, 0: any)")
+    train.add_argument("--announce", help="comma-separated multiaddrs the other regions dial to reach this driver's "
+                       "region, e.g. /ip4/203.0.113.7/tcp/31337 (behind NAT: the public address and forwarded port)")
     train.add_argument("--local-regions", help="comma-separated regions of the config this Ray cluster runs "
                                                "(one cluster per region); default: all")
     train.add_argument("--mode", choices=["diloco", "ddp", "single"],
@@ -201,7 +207,29 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
         if not local or unknown:
             raise ConfigError(f"--local-regions: {unknown or 'nothing'} given; name regions of the config: {names}")
         run = replace(run, local_regions=local)
+    regions = _apply_network_flags(regions, run.local_regions, args)
     return replace(cfg, regions=regions, outer=outer, data=data, run=run)
+
+
+def _apply_network_flags(regions: list[RegionConfig], local: list[str], args: argparse.Namespace
+                         ) -> list[RegionConfig]:
+    """--listen-host, --port, --announce: the Hivemind address of the region this driver runs (each cluster of a
+    run has its own, while the config file is the same everywhere)."""
+    given: dict = {}
+    if args.listen_host is not None:
+        given["host"] = args.listen_host
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port: must be a TCP port (0: any free one), got {args.port}")
+        given["port"] = args.port
+    if args.announce is not None:
+        given["announce"] = [a.strip() for a in args.announce.split(",") if a.strip()]
+    mine = [r.name for r in regions if not local or r.name in local]
+    named = [f"--{flag}" for flag, key in (("port", "port"), ("announce", "announce")) if key in given]
+    if named and len(mine) > 1:
+        raise ConfigError(f"{named[0]}: names one region's address, but this driver runs regions {mine}; give "
+                          "--local-regions <one region>")
+    return [dataclasses.replace(r, **given) if r.name in mine else r for r in regions]
 
 
 def train(cfg: ExperimentConfig, address: str | None) -> int:

@@ -224,6 +224,13 @@ class RegionConfig:
     workers: int | str = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
+    host: str | None = None
+    port: int | None = None
+    announce: list[str] | None = None
+    """This region's Hivemind listen address, port and announced multiaddrs where they differ from outer.host,
+    outer.port and outer.announce (each region's head has its own public address; `--listen-host`, `--port`,
+    `--announce` set them for the region a driver runs). A region with a fixed port or announced address keeps
+    its SyncActor on the driver's node, the head the address names (`ray_diloco.network`)."""
 
     def __post_init__(self) -> None:
         self.cpus_per_worker, self.gpus_per_worker = float(self.cpus_per_worker), float(self.gpus_per_worker)
@@ -242,6 +249,8 @@ class RegionConfig:
         _require(self.min_workers >= 1, where, f"must be >= 1, got {self.workers}")
         _require(self.cpus_per_worker > 0, f"regions[{self.name}].cpus_per_worker", "must be > 0")
         _require(self.gpus_per_worker >= 0, f"regions[{self.name}].gpus_per_worker", "must be >= 0")
+        _require(self.port is None or 0 <= self.port <= 65535, f"regions[{self.name}].port",
+                 f"must be a TCP port (0: any free one), got {self.port}")
 
     @property
     def min_workers(self) -> int:
@@ -371,6 +380,9 @@ class ExperimentConfig:
                  "name each region once")
         _require(self.run.mode == "diloco" or not self.run.local_regions, "run.local_regions",
                  "only DiLoCo runs span Ray clusters; ddp and single run in one")
+        from ray_diloco.network import check_network  # a module of its own: the network settings of regions
+
+        check_network(self)
         # With outer.overlap a stop first ends the round in flight, then runs the stop's own: two rounds.
         rounds = 2 if self.outer.overlap else 1
         round_bound = rounds * (self.outer.max_wait_seconds + self.outer.averaging_timeout)

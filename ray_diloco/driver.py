@@ -32,6 +32,7 @@ from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
 from ray_diloco.live_summary import LiveSummary
 from ray_diloco.model import build_model, count_parameters, load_parameters, save_model
+from ray_diloco.network import reach_warning, region_network
 from ray_diloco.outcome import (TrainingOutcome, baseline_outcome, build_summary, canonical_index,
                                 finished_elsewhere)
 from ray_diloco.plots import write_loss_png
@@ -148,11 +149,12 @@ def check_elastic_region(cfg: ExperimentConfig, groups: list[RegionConfig]) -> N
                   "(run.checkpoint_every: 1 keeps it)", flush=True)
 
 
-def actor_placement(region: RegionConfig) -> dict[str, Any]:
+def actor_placement(region: RegionConfig, pinned: bool = False) -> dict[str, Any]:
     """Where a region's SyncActor and RegionStream run: beside the driver when the region is elastic (its worker
-    nodes come and go; the SyncActor holds the region's outer state), else on the region's labelled nodes when
-    the cluster defines regions."""
-    if region.elastic:
+    nodes come and go; the SyncActor holds the region's outer state) or `pinned` (the SyncActor's address is
+    fixed: a port or announced address names the driver's node), else on the region's labelled nodes when the
+    cluster defines regions."""
+    if region.elastic or pinned:
         return on_driver_node()
     selector = region_placement(region)
     return {"label_selector": selector} if selector else {}
@@ -176,8 +178,9 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
               f"{cfg.run.checkpoint_root()})", flush=True)
     for region in cfg.local_regions():
         step = resume[region.name]
+        pinned = region_network(cfg, region.name).pinned
         options: dict[str, Any] = {"name": run_actor_name("sync", cfg, region.name),
-                                   "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region)}
+                                   "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region, pinned)}
         # One evaluator for the run: θ_global is the same in every region.
         actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds,
                                                     evaluator if not actors else None, step)
@@ -185,6 +188,10 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
             peers = ray.get(actor.multiaddrs.remote())
         actors.append(actor)
     ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too
+    if len(cfg.local_regions()) < len(cfg.regions) or cfg.outer.initial_peers:  # regions in other clusters
+        for region, actor in zip(cfg.local_regions(), actors):
+            if warning := reach_warning(region.name, ray.get(actor.multiaddrs.remote())):
+                print(warning, flush=True)
     return actors
 
 

@@ -46,6 +46,7 @@ from ray_diloco.batches import region_progress
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
+from ray_diloco.network import region_network
 from ray_diloco.sharding import assemble, from_wire, rows_for_rank, to_wire
 from ray_diloco.sync.averaging import RegionAverager
 from ray_diloco.sync.codecs import count_nonfinite
@@ -100,11 +101,12 @@ class SyncActorImpl(Membership, Rounds):
             return
         from ray_diloco.sync.state_sharing import StateSharer
 
+        network = region_network(cfg, self.region)  # this region's own address settings
         self.averager = RegionAverager(
             run_id=cfg.run.name, region=self.region, expected_regions=max(2, self.expected_regions),
             compression=cfg.outer.compression, initial_peers=bootstrap or None,
-            host=cfg.outer.host, port=cfg.outer.port, matchmaking_seconds=cfg.outer.matchmaking_seconds,
-            averaging_timeout=cfg.outer.averaging_timeout, announce_maddrs=cfg.outer.announce or None,
+            host=network.host, port=network.port, matchmaking_seconds=cfg.outer.matchmaking_seconds,
+            averaging_timeout=cfg.outer.averaging_timeout, announce_maddrs=list(network.announce) or None,
         )
         # Every region publishes (outer step, digest of θ_global) and serves its outer state, so a late
         # region re-syncs and a joining one starts from the run's state. A killed region's record
