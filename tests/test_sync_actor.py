@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -346,3 +347,67 @@ def test_an_abandoned_rounds_thread_cannot_change_the_state(tmp_path):
         actor.shutdown()
     assert unchanged == (before, 0)
     assert actor.digest() != before and actor.outer.step_count == 5
+
+
+def test_a_hung_bucket_costs_its_calls_not_the_round_or_the_group(tmp_path, monkeypatch):
+    """issue 22 item 4: the peer-file and state-record listings ran inside every rendezvous poll, and the
+    checkpoint save after a round, with no bound: a bucket that hangs held the round, then failed the group.
+    Each is bounded now: the round goes on from the DHT, and the checkpoint is skipped with an event."""
+    from ray_diloco.sync import actor as actor_module, durable, membership, peers
+
+    def hang(*args, **kwargs):
+        time.sleep(3600)
+
+    cfg = config(tmp_path, "hung-bucket", [1, 1], matchmaking_seconds=MM)
+    a = SyncActorImpl(cfg, "r0")
+    b = None
+    try:
+        b = SyncActorImpl(cfg, "r1", initial_peers=a.multiaddrs())
+        for module in (membership, actor_module):
+            monkeypatch.setattr(module, "LISTING_SECONDS", 0.5, raising=False)
+        monkeypatch.setattr(peers, "read_peer_files", hang)
+        monkeypatch.setattr(durable, "read_records", hang)
+        a._peers_read = a._stored_read = b._peers_read = b._stored_read = 0.0  # read again at the next poll
+
+        async def both():
+            return await asyncio.gather(a.exchange(0, 0, 1, trained(a, 20), tokens=1000),
+                                        b.exchange(0, 0, 1, trained(b, 21), tokens=1000))
+
+        started = time.monotonic()
+        (step_a, _, _), (step_b, _, _) = asyncio.run(both())
+        seconds = time.monotonic() - started
+        monkeypatch.setattr(a, "_download_seconds", lambda: 0.5)
+        a.store.save = hang
+        committed = asyncio.run(a.commit_checkpoint(1, "worker-checkpoint"))
+    finally:
+        for actor in (b, a):
+            if actor is not None:
+                actor.shutdown()
+    assert step_a == step_b == 1 and a.last_round()["group_size"] == 2, a.history
+    assert seconds < 30, seconds  # the listings were given up after 0.5 s, not waited for
+    assert committed is None and a.committed is None
+    assert [e["outer_step"] for e in a.events if e["event"] == "checkpoint_failed"] == [1]
+
+
+def test_a_nonfinite_delta_after_the_region_ended_publishes_nothing(tmp_path):
+    """issue 22 item 4: a region that re-synced to the end during an overlapped round published FINISHED; a
+    non-finite Δ in the blocking last call then published OUT and looked for a newer state after the end."""
+    from ray_diloco.sync.policy import FINISHED, StateRecord
+
+    cfg = config(tmp_path, "nonfinite-after-end", [1, 1], outer_steps=1, matchmaking_seconds=1.0)
+    cfg["outer"].update(max_wait_seconds=1.0, averaging_timeout=2.0)
+    actor = SyncActorImpl(cfg, "r0")
+    published = []
+    try:
+        actor.outer.step_count = 1
+        actor._published = StateRecord("r0", 1, actor.digest(), 2, FINISHED)
+        actor._set_phase_safely = lambda phase, waited=0.0: published.append(phase)
+        actor._resync_from_newer = lambda step: published.append("resync") or False
+        before = actor.digest()
+        shards = trained(actor, 5)
+        next(iter(shards.values())).view(-1)[0] = float("nan")
+        reached, _, _ = asyncio.run(actor.exchange(1, 0, 1, shards, tokens=1000))
+    finally:
+        actor.shutdown()
+    assert published == [] and actor.digest() == before and reached == 1
+    assert len(nonfinite_events(actor)) == 1

@@ -49,6 +49,7 @@ from ray_diloco.model import build_model, parameter_state
 from ray_diloco.network import region_network
 from ray_diloco.sharding import assemble, from_wire, rows_for_rank, to_wire
 from ray_diloco.sync.averaging import RegionAverager
+from ray_diloco.sync.bounded import LISTING_SECONDS, BoundedCalls
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
@@ -97,6 +98,7 @@ class SyncActorImpl(Membership, Rounds):
         self._peers_read = 0.0  # when we last read the peer files
         self._stored: dict = {}  # region -> durable.StoredRecord: the records kept in the run's storage
         self._stored_read = 0.0  # when we last read them
+        self._storage = BoundedCalls()  # every call to the run's storage has a time bound
         if self.expected_regions == 1 and not bootstrap:  # a DHT is only needed across regions
             return
         from ray_diloco.sync.state_sharing import StateSharer
@@ -248,9 +250,10 @@ class SyncActorImpl(Membership, Rounds):
         outer = self.config.outer
         return 2 * outer.max_wait_seconds + 2 * outer.averaging_timeout + 6 * self._download_seconds() + 60.0
 
-    async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str:
+    async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str | None:
         """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,
-        momentum, outer step and data progress, marked complete last. Returns the checkpoint's location."""
+        momentum, outer step and data progress, marked complete last. Returns the checkpoint's location (None:
+        not committed, event checkpoint_failed)."""
         if outer_step != self.outer.step_count:
             raise RuntimeError(f"[{self.region}] commit of outer step {outer_step}, but the outer state is at "
                                f"step {self.outer.step_count}")
@@ -258,8 +261,16 @@ class SyncActorImpl(Membership, Rounds):
         checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=self.progress,
                                      worker_checkpoint=worker_checkpoint, tokens=self.tokens,
                                      config_yaml=self.config.to_yaml())
-        # Off the event loop: other regions' calls (state sharing) go on while the files are written.
-        location = await asyncio.get_running_loop().run_in_executor(None, self.store.save, checkpoint)
+        # Off the event loop: other regions' calls (state sharing) go on while the files are written. Bounded by
+        # the state's size at the slowest link the run allows: a hung bucket costs this checkpoint (the region
+        # goes on; the last committed one stays the latest), never the group.
+        bound = self._download_seconds() + LISTING_SECONDS
+        try:
+            location = await asyncio.get_running_loop().run_in_executor(
+                None, self._storage.call, "checkpoint", lambda: self.store.save(checkpoint), bound)
+        except Exception as error:
+            self.record_event("checkpoint_failed", outer_step=step, error=repr(error)[:300])
+            return None
         self.committed = (step, worker_checkpoint)
         # A region starting after our driver is gone can join from it; never over our final record (a checkpoint
         # of the last step comes after the region finished).

@@ -5,11 +5,12 @@ settle at the end. Also how it finds the other regions: its peer file in the run
 
 `Membership` is the part of `SyncActorImpl` (actor.py) that does this; it uses the actor's `config`, `region`,
 `outer`, `shapes`, `_digest`, `sharer`, `averager`, `_published`, `_connected`, `_peers_read`, `_stored`,
-`_stored_read`, `_dht_failing`, `_phase_failing`, `_generation`, `_state_lock` and `record_event`, all set in
-`SyncActorImpl.__init__`.
+`_stored_read`, `_storage`, `_dht_failing`, `_phase_failing`, `_generation`, `_state_lock` and `record_event`,
+all set in `SyncActorImpl.__init__`.
 
 Besides the DHT, each region keeps its record and state in the run's storage (`durable.py`): the last committed
 one, and the final one. A region whose driver is gone is known from those: its final state is taken from there.
+Every call to that storage has a time bound (`bounded.py`): a hung bucket costs the call, never the wait it is in.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ray_diloco import metrics
 from ray_diloco.sync import durable, peers, policy
+from ray_diloco.sync.bounded import LISTING_SECONDS
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
 from ray_diloco.sync.policy import FINISHED, TRAINING, UNSETTLED, StateRecord
 
@@ -65,7 +67,8 @@ class Membership:
         """Log our multiaddrs and write them to the run's storage, where the other regions look for them."""
         maddrs = self.multiaddrs()
         try:
-            where = peers.write_peer_file(self.config.run.peers_dir(), self.region, maddrs)
+            where = self._storage.call("peer file", lambda: peers.write_peer_file(
+                self.config.run.peers_dir(), self.region, maddrs), LISTING_SECONDS)
         except Exception as error:  # storage not writable: regions can still be joined with --initial-peers
             where = f"not written ({error!r:.200})"
         self.record_event("hivemind_started", multiaddrs=maddrs, peer_file=where)
@@ -76,7 +79,8 @@ class Membership:
             return
         self._peers_read = time.monotonic()
         try:
-            found = peers.read_peer_files(self.config.run.peers_dir(), exclude=self.region)
+            found = self._storage.call("peer files", lambda: peers.read_peer_files(
+                self.config.run.peers_dir(), exclude=self.region), LISTING_SECONDS)
         except Exception as error:
             logger.warning("[%s] reading the peer files failed: %r", self.region, error)
             return
@@ -139,7 +143,8 @@ class Membership:
         if time.monotonic() - self._stored_read >= PEER_FILES_SECONDS:
             self._stored_read = time.monotonic()
             try:
-                self._stored = durable.read_records(self.config.run.states_dir())
+                self._stored = self._storage.call("state records", lambda: durable.read_records(
+                    self.config.run.states_dir()), LISTING_SECONDS)
             except Exception as error:  # storage unreachable: decide from the DHT alone meanwhile
                 logger.warning("[%s] reading the stored state records failed: %r", self.region, error)
         target = self.config.run.outer_steps
@@ -149,7 +154,8 @@ class Membership:
     def _keep_in_storage(self, record: StateRecord, location: str) -> None:
         """Our record in the run's storage, pointing at the committed state behind it."""
         try:
-            durable.write_record(self.config.run.states_dir(), durable.StoredRecord(record, location))
+            self._storage.call("state record", lambda: durable.write_record(
+                self.config.run.states_dir(), durable.StoredRecord(record, location)), LISTING_SECONDS)
         except Exception as error:
             self.record_event("storage_error", during=f"storing the record of step {record.outer_step}",
                               error=repr(error)[:300])
@@ -159,10 +165,14 @@ class Membership:
         takes it from there. If it cannot be stored, the run cannot vouch for its end: unsettled."""
         step, theta, momentum = self._snapshot()
         record = StateRecord(self.region, step, self._digest, self._published.group_size, FINISHED)
-        try:
-            location = durable.save_final_state(self.config.run.states_dir(), self.region, step, theta, momentum,
-                                                self.config.to_yaml())
-            durable.write_record(self.config.run.states_dir(), durable.StoredRecord(record, location))
+        directory = self.config.run.states_dir()
+
+        def keep() -> None:
+            location = durable.save_final_state(directory, self.region, step, theta, momentum, self.config.to_yaml())
+            durable.write_record(directory, durable.StoredRecord(record, location))
+
+        try:  # the state's size at the slowest link the run allows, like a download
+            self._storage.call("final state", keep, self._download_seconds() + LISTING_SECONDS)
         except Exception as error:
             self.record_event("unsettled_at_end", why="the final state could not be kept in the run's storage "
                                                       "(a region arriving later would not see it)",
@@ -197,7 +207,8 @@ class Membership:
                          key=lambda stored: (stored.record.region != want.region, stored.record.region))
         for stored in holders:
             try:
-                return durable.load_state(stored, self.shapes)
+                return self._storage.call("stored state", lambda stored=stored: durable.load_state(
+                    stored, self.shapes), self._download_seconds())
             except Exception as error:  # unreadable, or not the state its record names: never loaded
                 self.record_event("stored_state_rejected", location=stored.location, error=repr(error)[:300])
         return None

@@ -22,7 +22,7 @@ from ray_diloco.sync import policy
 from ray_diloco.sync.averaging import own_result
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.outer import state_digest
-from ray_diloco.sync.policy import OUT
+from ray_diloco.sync.policy import FINISHED, OUT, UNSETTLED
 
 logger = logging.getLogger("ray_diloco.sync.actor")  # the actor's log: one stream per region
 
@@ -154,6 +154,10 @@ class Rounds:
         average without it), then adopt the newer state another region publishes. Raises if there is none."""
         own_step = self.outer.step_count
         self.record_event("nonfinite_pseudo_gradient", bad_values=bad)
+        if self._published is not None and self._published.phase in (FINISHED, UNSETTLED):
+            # Ended already (a re-sync reached the run's end during an overlapped round): the region's end is
+            # final and published; its Δ is dropped, nothing is published or adopted after it.
+            return self.outer.global_state()
         if self.sharer is not None:  # the others do not wait for us this round
             await asyncio.get_running_loop().run_in_executor(None, self._set_phase_safely, OUT)
         if self.sharer is None or not await asyncio.get_running_loop().run_in_executor(
@@ -161,6 +165,8 @@ class Rounds:
             raise RuntimeError(f"region {self.region}: pseudo-gradient has {bad} non-finite values and no other "
                                f"region holds a newer state to re-sync from; lower inner.lr or check the data")
         await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish_safely(0))
+        if self.outer.step_count >= self.config.run.outer_steps:  # re-synced to the run's end: settle, as a round
+            await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         # Its tokens went into no average: not counted. group_size 0: this region took part in no round.
