@@ -107,12 +107,19 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     return Path(out)
 
 
-def read_config_file(path: Path) -> dict:
-    """The YAML mapping in `--config`; a syntax error is reported as file:line:column, not a traceback."""
-    if not path.is_file():
-        raise ConfigError(f"--config: no such file {path}")
+def read_config_file(path: str) -> dict:
+    """The YAML mapping in `--config` (a local file or a URI); a syntax error is reported as file:line:column,
+    not a traceback."""
+    from ray_diloco import uris
+
     try:
-        given = yaml.safe_load(path.read_text()) or {}
+        text = uris.read_bytes(path).decode()
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {path}") from None
+    except (OSError, ValueError) as error:  # an unreachable store, no access, a malformed URI
+        raise ConfigError(f"--config: cannot read {path} ({uris.first_line(error)})") from None
+    try:
+        given = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -128,7 +135,7 @@ def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
     preset = args.preset or DEFAULT_PRESET
     merged = get_preset(preset).to_dict()
     if args.config:
-        for section, values in read_config_file(Path(args.config)).items():
+        for section, values in read_config_file(args.config).items():
             mergeable = isinstance(values, dict) and isinstance(merged.get(section), dict)
             merged[section] = {**merged[section], **values} if mergeable else values
     cfg = ExperimentConfig.from_dict(merged)
