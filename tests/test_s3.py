@@ -21,10 +21,11 @@ import torch
 import yaml
 
 from conftest import Driver, driver_env
-from s3_server import SHADOWING_VARIABLES, S3Server
+from s3_server import SHADOWING_VARIABLES, S3Server, free_port
 from ray_diloco.cli import build_parser, main, resolve_config
-from ray_diloco.config import ConfigError, ExperimentConfig
-from ray_diloco.data.files import embedded_train_dir, resolve_filesystem
+from ray_diloco.config import ConfigError, DataConfig, ExperimentConfig
+from ray_diloco.data.files import embedded_train_dir, list_data_files, resolve_filesystem
+from ray_diloco.data.preflight import check_data
 from ray_diloco.model import parameter_state
 from ray_diloco.sync.outer import state_digest
 from ray_diloco.uris import join
@@ -95,8 +96,6 @@ def test_a_missing_object_or_bucket_is_one_line_naming_the_flag_before_ray(s3, t
 
 
 def test_an_unreachable_endpoint_is_one_line_too(s3, monkeypatch, capsys):
-    from s3_server import free_port
-
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     assert main(["train", "--config", "s3://bucket/run.yaml"]) == 2
     err = capsys.readouterr().err.strip()
@@ -104,10 +103,6 @@ def test_an_unreachable_endpoint_is_one_line_too(s3, monkeypatch, capsys):
 
 
 def test_data_in_the_bucket_is_listed_globbed_and_read(s3):
-    from ray_diloco.config import DataConfig
-    from ray_diloco.data.files import list_data_files
-    from ray_diloco.data.preflight import check_data
-
     bucket = s3.new_bucket()
     upload_sample(s3, f"{bucket}/c4")
     listed = list_data_files(f"{bucket}/c4")  # a directory: its c4-train shards, not the held-out one
@@ -183,7 +178,7 @@ T = 1  # outer steps of the end-to-end run
 
 def test_a_run_with_every_path_in_the_bucket(s3):
     """The whole CLI path: config, data and held-out data read from the bucket; Ray Train's storage, the outer
-    checkpoints, the peer and state files and the results written to it."""
+    checkpoints, the stored state records and the results written to it."""
     from ray_diloco.checkpoint import CheckpointStore
     from ray_diloco.model import build_model
     from ray_diloco.worker_checkpoint import load_worker_checkpoint
