@@ -172,7 +172,12 @@ def require_checkpoints(cfg: ExperimentConfig) -> None:
     from ray_diloco.checkpoint import CheckpointStore, join
 
     root = cfg.run.checkpoint_root()
-    if not any(CheckpointStore(join(root, r.name)).steps() for r in cfg.local_regions()):
+    try:
+        found = any(CheckpointStore(join(root, r.name)).steps() for r in cfg.local_regions())
+    except OSError as error:  # an unreachable store or no access: it runs before check_storage says so
+        flag = "--checkpoint-path" if cfg.run.checkpoint_path else "--output-dir"
+        raise ConfigError(f"{flag}: cannot list the checkpoints under {root} ({uris.first_line(error)})") from None
+    if not found:
         raise no_checkpoint_error(cfg)
 
 

@@ -95,11 +95,15 @@ def test_a_missing_object_or_bucket_is_one_line_naming_the_flag_before_ray(s3, t
     assert not ray.is_initialized()
 
 
-def test_an_unreachable_endpoint_is_one_line_too(s3, monkeypatch, capsys):
+@pytest.mark.parametrize("argv, flag", [
+    (["--config", "s3://bucket/run.yaml"], "--config: cannot read s3://bucket/run.yaml"),
+    (["--resume", "--checkpoint-path", "s3://bucket/ckpt"], "--checkpoint-path: cannot list the checkpoints"),
+], ids=["config", "resume"])
+def test_an_unreachable_endpoint_is_one_line_too(s3, monkeypatch, capsys, argv, flag):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    assert main(["train", "--config", "s3://bucket/run.yaml"]) == 2
+    assert main(["train", "--run-name", "r", *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("ray-diloco: error: --config: cannot read "), err
+    assert len(err.splitlines()) == 1 and err.startswith(f"ray-diloco: error: {flag}"), err
 
 
 def test_data_in_the_bucket_is_listed_globbed_and_read(s3):
