@@ -25,16 +25,12 @@ import torch
 
 # The same resolution as the data files: a local path, or an s3:// gs:// file:// URI.
 from ray_diloco.data.files import resolve_filesystem
+from ray_diloco.uris import join
 
 _NAME = re.compile(r"^outer-(\d{6,})$")
 STATE_FILE = "outer_state.pt"
 CONFIG_FILE = "config.yaml"
 MARKER = "COMMITTED"
-
-
-def join(base: str, *parts: str) -> str:
-    """Join a local path or URI with '/' (never os.path: URIs keep their scheme)."""
-    return "/".join([base.rstrip("/"), *parts])
 
 
 @dataclass

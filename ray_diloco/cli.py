@@ -15,8 +15,8 @@ from ray_diloco.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 
 def _add_config_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML config (sections model, data, inner, outer, "
-                        "regions, run); overrides the preset's values it names")
+    parser.add_argument("--config", metavar="FILE", help="YAML config, a file or an s3://, gs:// URI (sections model, "
+                        "data, inner, outer, regions, run); overrides the preset's values it names")
     parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
                         help=f"named starting point (default: {DEFAULT_PRESET})")
 
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compression", choices=CODEC_NAMES, help="pseudo-gradient codec on the wire")
     train.add_argument("--data", metavar="PATH_OR_GLOB", help="training files in the C4 json.gz layout")
     train.add_argument("--eval-data", metavar="PATH_OR_GLOB", help="held-out files for evaluation")
-    train.add_argument("--output-dir", metavar="DIR")
+    train.add_argument("--output-dir", metavar="DIR", help="results go to DIR/<run-name>/ (a directory or an s3://, "
+                       "gs:// URI)")
     train.add_argument("--run-name", help="run id: output sub-directory and Hivemind matchmaking scope")
     train.add_argument("--seed", type=int)
     train.add_argument("--initial-peers", help="comma-separated Hivemind multiaddrs of a running region")
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mode", choices=["diloco", "ddp", "single"],
                        help="diloco (default); ddp: one group over all workers, gradient all-reduce every step; "
                             "single: one worker. Same model, data, inner optimizer and steps")
-    train.add_argument("--init-from", metavar="DIR", help="warm start from a saved model (a run's model/ dir)")
+    train.add_argument("--init-from", metavar="DIR", help="warm start from a saved model (a run's model/ dir; "
+                       "a directory or an s3://, gs:// URI)")
     train.add_argument("--eval-every", type=int, metavar="K", help="held-out loss every K outer steps")
     train.add_argument("--checkpoint-every", type=int, metavar="K",
                        help="checkpoint every K outer steps: workers (model and AdamW shards, schedule and data "
@@ -107,12 +109,19 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     return Path(out)
 
 
-def read_config_file(path: Path) -> dict:
-    """The YAML mapping in `--config`; a syntax error is reported as file:line:column, not a traceback."""
-    if not path.is_file():
-        raise ConfigError(f"--config: no such file {path}")
+def read_config_file(path: str) -> dict:
+    """The YAML mapping in `--config` (a local file or a URI); a syntax error is reported as file:line:column,
+    not a traceback."""
+    from ray_diloco import uris
+
     try:
-        given = yaml.safe_load(path.read_text()) or {}
+        text = uris.read_bytes(path).decode()
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {path}") from None
+    except (OSError, ValueError) as error:  # an unreachable store, no access, a malformed URI
+        raise ConfigError(f"--config: cannot read {path} ({uris.first_line(error)})") from None
+    try:
+        given = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -128,7 +137,7 @@ def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
     preset = args.preset or DEFAULT_PRESET
     merged = get_preset(preset).to_dict()
     if args.config:
-        for section, values in read_config_file(Path(args.config)).items():
+        for section, values in read_config_file(args.config).items():
             mergeable = isinstance(values, dict) and isinstance(merged.get(section), dict)
             merged[section] = {**merged[section], **values} if mergeable else values
     cfg = ExperimentConfig.from_dict(merged)

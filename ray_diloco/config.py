@@ -278,11 +278,13 @@ class RunConfig:
     the same T × H steps, with no outer step)."""
     seed: int = 0
     output_dir: str = DEFAULT_OUTPUT_DIR
-    """The run writes to output_dir/name/ (summary.json, config.yaml, model/, Ray Train storage). A relative
-    path resolves against the directory `ray-diloco` started in (in a `ray job submit` job, whose directory
-    is Ray's temporary copy of the working dir: against the home directory)."""
+    """The run writes to output_dir/name/ (summary.json, config.yaml, model/, Ray Train storage): a directory or an
+    `s3://`, `gs://` URI (`ray_diloco.results`). A relative path resolves against the directory `ray-diloco`
+    started in (in a `ray job submit` job, whose directory is Ray's temporary copy of the working dir: against the
+    home directory)."""
     init_from: str | None = None
-    """Warm start: a saved model directory (a run's model/ or `ray-diloco export`) instead of the seeded init."""
+    """Warm start: a saved model directory (a run's model/ or `ray-diloco export`; local or a URI) instead of the
+    seeded init."""
     checkpoint_every: int = 0
     """DiLoCo mode: every this many outer steps each region checkpoints its workers (model and inner AdamW
     shards, schedule and data position, through Ray Train) and its outer state (θ_global, momentum, outer

@@ -253,7 +253,7 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
         stop.timeout = cfg.run.stop_timeout_seconds
         groups = training_groups(cfg)
         prepared = prepared or prepare_run(cfg, groups)
-        cfg, out_dir = prepared.cfg, prepared.out_dir
+        cfg, results = prepared.cfg, prepared.results
         try:
             connect_ray(address, cfg, groups, after_init=stop.reinstall)
         except SystemExit as exit_:  # ray.init's own SIGTERM handler, before ours is back in place
@@ -265,9 +265,8 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
             f"region {region}: another driver took over its lease")))
         if took_over and cfg.run.mode == "diloco":  # the previous driver may have committed since it was planned
             prepared = dataclasses.replace(prepared, resume=resume_plan(cfg))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"config{prepared.suffix}.yaml").write_text(cfg.to_yaml())
-        print(f"[driver] run {cfg.run.name}: results in {out_dir}, checkpoints in {cfg.run.checkpoint_root()}",
+        results.write(f"config{prepared.suffix}.yaml", lambda path: path.write_text(cfg.to_yaml()))
+        print(f"[driver] run {cfg.run.name}: results in {results.location}, checkpoints in {cfg.run.checkpoint_root()}",
               flush=True)
 
         windows = load_eval_windows(cfg.data, prepared.tokenizer)
@@ -286,16 +285,16 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
 def finish_run(cfg: ExperimentConfig, groups: list[RegionConfig], prepared: PreparedRun, model, windows,
                outcome: "TrainingOutcome", eval_start: float, num_params: int, wall: float) -> dict[str, Any]:
     """The final evaluation of the exported θ_global, the model directory, summary.json and loss.png."""
-    out_dir = prepared.out_dir
+    results = prepared.results
     eval_loss, eval_ppl = evaluate_state(cfg, model, outcome.final_state, windows)
     # The dashboards' held-out panels get the end's evaluation too (a run with no mid-run one had none).
     metrics.safely(metrics.record_eval, cfg.run.name, outcome.final_outer_step(), eval_loss, eval_ppl)
-    save_model(model, outcome.final_state, out_dir / "model", prepared.tokenizer)
+    results.write("model", lambda path: save_model(model, outcome.final_state, path, prepared.tokenizer))
     outcome.finished_elsewhere = finished_elsewhere(cfg, groups)
     summary = build_summary(cfg, groups, outcome, eval_start, eval_loss, eval_ppl, wall, num_params)
-    summary_file = out_dir / f"summary{prepared.suffix}.json"
-    summary_file.write_text(json.dumps(summary, indent=2))
-    loss_png = write_loss_png(summary, out_dir / f"loss{prepared.suffix}.png")
+    summary_text = json.dumps(summary, indent=2)
+    summary_file = results.write(f"summary{prepared.suffix}.json", lambda path: path.write_text(summary_text))
+    loss_png = results.write(f"loss{prepared.suffix}.png", lambda path: write_loss_png(summary, path))
     if summary["stopped"]:
         steps = sorted({w["outer_step"] for w in outcome.worker_results})
         print(f"[driver] stopped on request at outer step(s) {steps} of {cfg.run.outer_steps}, checkpointed: "

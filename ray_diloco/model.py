@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ray_diloco import uris
 from ray_diloco.config import ModelConfig
 
 
@@ -104,21 +106,22 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
 
 
 def load_saved_model(directory: str, expected: LlamaConfig) -> LlamaForCausalLM:
-    """A model saved with `save_pretrained`; its shape must match the configured one."""
-    path = Path(directory)
-    if not (path / "config.json").is_file():
+    """A model saved with `save_pretrained` (a local directory or a URI: downloaded, loaded, the download
+    removed); its shape must match the configured one."""
+    if not uris.is_file(uris.join(directory, "config.json")):
         raise FileNotFoundError(f"--init-from {directory}: no config.json there; give a run's model/ directory "
                                 "or the output of `ray-diloco export`")
     check_saved_shape(directory, expected)
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with uris.local_copy(directory) as local:
+        model = LlamaForCausalLM.from_pretrained(local, dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
     return model
 
 
 def check_saved_shape(directory: str, expected: LlamaConfig) -> None:
     """The saved model's config.json must describe the configured shape (read without loading weights, so the
-    driver checks it before Ray starts)."""
-    saved_config = LlamaConfig.from_pretrained(directory)
+    driver checks it before Ray starts; for a URI, config.json alone is fetched)."""
+    saved_config = LlamaConfig.from_dict(json.loads(uris.read_bytes(uris.join(directory, "config.json"))))
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "tie_word_embeddings"):
         saved, wanted = getattr(saved_config, key), getattr(expected, key)

@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
+from ray_diloco import uris
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, config_changes, local_path
+from ray_diloco.results import ResultsDir
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,20 @@ def check_writable(directory: Path, flag: str) -> None:
                           "write to") from None
 
 
+def check_storage(location: str, flag: str) -> None:
+    """The run can write under `location`, a local directory (`check_writable`) or a URI: its bucket exists, is
+    reachable and takes writes (for an S3-compatible server: AWS_ENDPOINT_URL names it)."""
+    if not uris.is_uri(location):
+        check_writable(Path(location), flag)
+        return
+    try:
+        uris.probe_write(location)
+    except OSError as error:
+        raise ConfigError(f"{flag}: cannot write to {location} ({uris.first_line(error)}); give a bucket that exists "
+                          "and that these credentials may write to (an S3-compatible server: set AWS_ENDPOINT_URL)"
+                          ) from None
+
+
 def check_continuation(stored_yaml: str, cfg: ExperimentConfig, where: str) -> None:
     """A run continued under its name must keep what its checkpoints and data positions depend on."""
     try:
@@ -156,7 +172,12 @@ def require_checkpoints(cfg: ExperimentConfig) -> None:
     from ray_diloco.checkpoint import CheckpointStore, join
 
     root = cfg.run.checkpoint_root()
-    if not any(CheckpointStore(join(root, r.name)).steps() for r in cfg.local_regions()):
+    try:
+        found = any(CheckpointStore(join(root, r.name)).steps() for r in cfg.local_regions())
+    except OSError as error:  # an unreachable store or no access: it runs before check_storage says so
+        flag = "--checkpoint-path" if cfg.run.checkpoint_path else "--output-dir"
+        raise ConfigError(f"{flag}: cannot list the checkpoints under {root} ({uris.first_line(error)})") from None
+    if not found:
         raise no_checkpoint_error(cfg)
 
 
@@ -179,6 +200,17 @@ def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
     if behind:
         logger.warning("regions %s resume from older (or no) checkpoints and catch up from their peers", behind)
     return plan
+
+
+def require_saved_model(directory: str) -> None:
+    """--init-from names a saved model directory: it holds config.json (a local path or a URI)."""
+    try:
+        found = uris.is_file(uris.join(directory, "config.json"))
+    except OSError as error:  # an unreachable store, no access
+        raise ConfigError(f"--init-from: cannot read {directory} ({uris.first_line(error)})") from None
+    if not found:
+        raise ConfigError(f"--init-from: {directory} holds no config.json; give a run's model/ directory "
+                          "or the output of `ray-diloco export`")
 
 
 def check_init_from(cfg: ExperimentConfig) -> None:
@@ -226,7 +258,7 @@ def resolve_eval_every(cfg: ExperimentConfig, groups: list[RegionConfig]) -> Exp
 class PreparedRun:
     cfg: ExperimentConfig
     tokenizer: Any
-    out_dir: Path
+    results: ResultsDir
     suffix: str  # run_file_suffix
     resume: dict[str, int | None]
 
@@ -244,9 +276,8 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
     if cfg.run.resume and cfg.run.mode == "diloco":
         require_checkpoints(cfg)
     check_data(cfg.data, len(cfg.regions) if cfg.run.mode == "diloco" else len(groups), cfg.run.seed)
-    if cfg.run.init_from and not Path(cfg.run.init_from, "config.json").is_file():
-        raise ConfigError(f"--init-from: {cfg.run.init_from} holds no config.json; give a run's model/ directory "
-                          "or the output of `ray-diloco export`")
+    if cfg.run.init_from:
+        require_saved_model(cfg.run.init_from)
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
     except (OSError, ValueError) as error:
@@ -254,15 +285,16 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
     cfg = resolve_eval_every(resolve_vocab(cfg, tokenizer), groups)
     if cfg.run.init_from:
         check_init_from(cfg)
-    out_dir = Path(cfg.run.output_dir) / cfg.run.name
-    check_writable(out_dir, "--output-dir")
-    if "://" not in cfg.run.checkpoint_root():
-        check_writable(Path(cfg.run.checkpoint_root()), "--checkpoint-path")
+    results = ResultsDir.of(cfg.run.output_dir, cfg.run.name)
+    # A URI is probed at the output directory, not the run's: pyarrow leaves a directory marker where it deleted the
+    # probe, and the run's own prefix stays as it was until the run writes there.
+    check_storage(cfg.run.output_dir if uris.is_uri(results.location) else results.location, "--output-dir")
+    check_storage(cfg.run.checkpoint_root(), "--checkpoint-path")
     suffix = run_file_suffix(cfg)
-    stored = out_dir / f"config{suffix}.yaml"
     # A run that wrote results is another run's files, whatever its checkpoints; a config.yaml alone (a run
     # that failed before training) may be replaced. Checkpoints are compared in resume_plan.
-    if stored.is_file() and (out_dir / f"summary{suffix}.json").is_file():
-        check_continuation(stored.read_text(), cfg, str(stored))
+    stored = results.read_text(f"config{suffix}.yaml")
+    if stored is not None and results.exists(f"summary{suffix}.json"):
+        check_continuation(stored, cfg, results.where(f"config{suffix}.yaml"))
     resume = resume_plan(cfg) if cfg.run.mode == "diloco" else {r.name: None for r in cfg.regions}
-    return PreparedRun(cfg, tokenizer, out_dir, suffix, resume)
+    return PreparedRun(cfg, tokenizer, results, suffix, resume)
