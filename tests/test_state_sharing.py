@@ -28,7 +28,7 @@ from hivemind.utils import get_dht_time
 from ray_diloco.sync.averaging import round_prefix, safe_name
 from ray_diloco.sync.outer import state_digest
 from ray_diloco.sync.policy import READY, needs_resync
-from ray_diloco.sync.state_sharing import StateRecord, StateSharer, state_key
+from ray_diloco.sync.state_sharing import StateRecord, StateSharer, check_header, state_key
 
 R = StateRecord
 
@@ -39,6 +39,50 @@ def test_state_keys_and_round_prefixes_sanitise_run_ids_alike():
         assert "." not in safe and "/" not in safe and " " not in safe
         assert state_key(run_id) == f"diloco_{safe}_state" and round_prefix(run_id, 3) == f"diloco_{safe}_r3"
     assert safe_name("run.A") != safe_name("run_A")  # equal after sanitising, told apart by the hash tag
+
+
+SCHEMA = {"emb": ((300, 70), "float32"), "w": ((5, 3), "float32")}
+
+
+def header(*tensors):
+    return {"outer_step": 3, "digest": "d", "tensors": [list(t) for t in tensors]}
+
+
+def test_a_state_header_is_checked_against_the_models_own_parameters_before_any_allocation():
+    good = [("theta", "emb", "float32", [300, 70]), ("theta", "w", "float32", [5, 3])]
+    assert [(k, n, tuple(s)) for k, n, s, _ in check_header(header(*good), SCHEMA)] == [
+        ("theta", "emb", (300, 70)), ("theta", "w", (5, 3))]
+    momentum = [("momentum", "emb", "float32", [300, 70]), ("momentum", "w", "float32", [5, 3])]
+    assert len(check_header(header(*good, *momentum), SCHEMA)) == 4
+    crafted = {
+        "huge shape": [("theta", "emb", "float32", [2**40, 2**20]), good[1]],  # never allocated
+        "wrong shape": [("theta", "emb", "float32", [70, 300]), good[1]],
+        "momentum of the wrong shape": [*good, ("momentum", "w", "float32", [3, 5])],
+        "another dtype": [("theta", "emb", "float64", [300, 70]), good[1]],
+        "an unknown tensor": [*good, ("theta", "evil", "float32", [1])],
+        "a tensor twice": [*good, good[0]],
+        "a missing parameter": [good[0]],
+        "another kind": [*good, ("gradient", "w", "float32", [5, 3])],
+        "a malformed entry": [*good, ("theta", "w")],
+        "a shape that is no list": [("theta", "emb", "float32", "300x70"), good[1]],
+    }
+    for what, tensors in crafted.items():
+        with pytest.raises(ValueError):
+            check_header(header(*tensors), SCHEMA)
+            pytest.fail(f"{what} was accepted")
+    with pytest.raises(ValueError, match="lists no tensors"):
+        check_header({"outer_step": 3}, SCHEMA)
+
+
+def test_momentum_of_the_wrong_shape_is_refused():
+    from ray_diloco.sync.outer import OuterOptimizer
+
+    outer = OuterOptimizer({"w": torch.zeros(5, 3)}, lr=0.7, momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="wrong shape"):
+        outer.load_momentum({"w": torch.zeros(3, 5)})
+    with pytest.raises(ValueError, match="wrong shape"):
+        outer.load_momentum({"w": torch.zeros(1)})  # would broadcast into θ at the next step
+    outer.load_momentum({"w": torch.ones(5, 3)})
 
 
 # -- with DHTs --------------------------------------------------------------------------------------------
@@ -72,6 +116,9 @@ class Region:
         return StateRecord(region, self.step, state_digest(self.theta), group_size)
 
 
+REGION_SCHEMA = {name: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in Region(0).theta.items()}
+
+
 def assert_same_state(got, region: Region):
     step, theta, momentum = got
     assert step == region.step
@@ -86,8 +133,8 @@ def assert_same_state(got, region: Region):
 def sharers():
     made = []
 
-    def make(*args, **kwargs):
-        made.append(StateSharer(*args, **kwargs))
+    def make(*args, **kwargs):  # every Region has the same parameters: one schema for all
+        made.append(StateSharer(*args, schema=REGION_SCHEMA, **kwargs))
         return made[-1]
 
     yield make

@@ -114,7 +114,8 @@ class SyncActorImpl(Membership, Rounds):
         # region re-syncs and a joining one starts from the run's state. A killed region's record
         # expires after `ttl`, which also shrinks the group the others wait for.
         self.sharer = StateSharer(self.averager.dht, cfg.run.name, self.region, self._snapshot,
-                                  ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False)
+                                  ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False,
+                                  schema={name: (tuple(shape), "float32") for name, shape in self.shapes.items()})
 
     def _init_round_state(self, record_rounds: bool, evaluator) -> None:
         """Everything the rounds, the workers' exchanges and the summary keep, empty."""

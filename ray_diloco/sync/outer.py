@@ -97,6 +97,9 @@ class OuterOptimizer:
         unknown = set(buffers) - set(self.params)
         if unknown:
             raise KeyError(f"momentum for unknown parameters: {sorted(unknown)[:5]}")
+        wrong = [name for name, buffer in buffers.items() if buffer.shape != self.params[name].shape]
+        if wrong:  # a momentum of another shape would broadcast into θ at the next step, or fail there
+            raise ValueError(f"momentum of the wrong shape for {sorted(wrong)[:5]}")
         self.buffers = {name: buffer.float().clone() for name, buffer in buffers.items()}
 
 

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -70,14 +70,45 @@ def _freeze(state: State, copy: bool, digest: str | None = None) -> _Served:
     return _Served(int(step), digest, items)
 
 
+Schema = Mapping[str, tuple[tuple[int, ...], str]]  # parameter name -> (shape, dtype name)
+
+
+def check_header(header: dict, schema: Schema) -> list[tuple[str, str, torch.Size, torch.dtype]]:
+    """The tensors a peer announces, checked against this model's own parameters before anything is allocated
+    (a peer's numbers never size an allocation): θ_global holds every parameter once, momentum each parameter at
+    most once (none before the first outer step), each with the parameter's shape and dtype, in the order they
+    will be sent. Returns (kind, name, shape, dtype) from our schema; ValueError naming the first mismatch."""
+    tensors = header.get("tensors")
+    if not isinstance(tensors, list):
+        raise ValueError("the peer's state header lists no tensors")
+    checked, seen = [], {"theta": set(), "momentum": set()}
+    for entry in tensors:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 4 and entry[0] in seen and entry[1] in schema):
+            raise ValueError(f"the peer announces a tensor this model does not have: {str(entry)[:100]}")
+        kind, name, dtype, shape = entry
+        want_shape, want_dtype = schema[name]
+        if name in seen[kind] or dtype != want_dtype or not isinstance(shape, (list, tuple)) or tuple(
+                shape) != tuple(want_shape):
+            raise ValueError(f"the peer announces {kind} {name} as {str(dtype)[:20]} {str(shape)[:60]}, not once "
+                             f"as {want_dtype} {list(want_shape)}")
+        seen[kind].add(name)
+        checked.append((kind, name, torch.Size(want_shape), getattr(torch, want_dtype)))
+    if seen["theta"] != set(schema):
+        raise ValueError("the peer's θ_global does not hold every parameter of this model")
+    return checked
+
+
 class StateSharer:
     def __init__(self, dht: DHT, run_id: str, region: str, get_state: Callable[[], State], *,
                  ttl: float = 120.0, chunk_bytes: int = 2**19, chunk_timeout: float = 30.0,
-                 dht_timeout: float = 30.0, snapshot: bool = True, copy_state: bool = True):
+                 dht_timeout: float = 30.0, snapshot: bool = True, copy_state: bool = True,
+                 schema: Schema):
         """Serves this region's (outer_step, θ_global, momentum) to peers and publishes StateRecords in the DHT.
 
         ttl: lifetime of a DHT record; a background thread re-stores the last one every ttl/3, so a region that
         died disappears within ttl. copy_state=False: `get_state` already returns private copies nobody mutates.
+        schema: the model's parameters, name -> (shape, dtype name); a downloaded state is checked against it
+        before anything is allocated (`check_header`): a peer's numbers never size an allocation.
         """
         if ttl <= 0 or chunk_bytes <= 0:
             raise ValueError("ttl and chunk_bytes must be > 0")
@@ -85,6 +116,7 @@ class StateSharer:
         self.ttl, self.chunk_bytes, self.chunk_timeout = float(ttl), int(chunk_bytes), float(chunk_timeout)
         self.dht_timeout = float(dht_timeout)  # a DHT store/get that hangs (dead DHT process) raises instead
         self.snapshot, self.copy_state = snapshot, copy_state
+        self.schema = dict(schema)
         self.key = state_key(run_id)
         self._record: StateRecord | None = None
         self._served: _Served | None = None
@@ -219,11 +251,12 @@ class StateSharer:
             if first is None or not first.metadata:
                 raise RuntimeError("the peer serves no state")
             header = MSGPackSerializer.loads(first.metadata)
-            if (header["outer_step"], header["digest"]) != (want.outer_step, want.digest):
-                raise RuntimeError(f"the peer serves step {header['outer_step']} / {header['digest']}")
+            if not isinstance(header, dict) or (header.get("outer_step"), header.get("digest")) != (
+                    want.outer_step, want.digest):
+                raise RuntimeError("the peer serves another state than its record names")
             theta, momentum = {}, {}
-            for kind, name, dtype, shape in header["tensors"]:
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            for kind, name, shape, dtype in check_header(header, self.schema):  # before any allocation
+                tensor = torch.empty(shape, dtype=dtype)
                 raw = tensor.reshape(-1).view(torch.uint8).numpy()  # writes land in `tensor`
                 offset = 0
                 while offset < raw.size:
