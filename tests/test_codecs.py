@@ -101,3 +101,40 @@ def test_count_nonfinite_equals_the_element_wise_count(values, dtype):
     values overflow the sum (3e38 + 3e38) or cancel (inf − inf)."""
     tensor = torch.tensor(values, dtype=torch.float32).to(dtype)
     assert count_nonfinite(tensor) == int((~torch.isfinite(tensor)).sum())
+
+
+def test_a_received_part_that_decodes_to_nan_or_inf_is_refused():
+    """issue 24: a reducer's reply of fp16 NaN, or scaled-fp16 with scale 2^-127 (finite fp16 values divided by
+    it overflow to inf), left every region a NaN θ_global with equal digests. Crafted messages, one by one."""
+    import numpy as np
+    from hivemind.compression import CompressionInfo
+    from hivemind.proto import runtime_pb2
+
+    from ray_diloco.sync.wire_codecs import ScaledFloat16WireCompression, check_part, decode_part, make_wire_codec
+
+    part = torch.linspace(-1, 1, 8)
+    good = ScaledFloat16WireCompression().compress(part, CompressionInfo.from_tensor(part))
+    assert torch.equal(decode_part(good), get_codec("scaled-fp16").decode(*get_codec("scaled-fp16").encode(part)))
+
+    def scaled(values, scale):
+        return runtime_pb2.Tensor(compression=good.compression, buffer=np.asarray(values, np.float16).tobytes()
+                                  + np.float32(scale).tobytes(), size=[len(values)], dtype="scaled_float16")
+
+    with pytest.raises(ValueError, match="not a power of two"):
+        decode_part(scaled([1.0] * 8, 2.0 ** -127))  # 65504 / 2^-127 = inf
+    with pytest.raises(ValueError, match="not a power of two"):
+        decode_part(scaled([1.0] * 8, 3.0))
+    with pytest.raises(ValueError, match="non-finite"):
+        decode_part(scaled([float("nan")] + [1.0] * 7, 1.0))
+    fp16 = make_wire_codec("fp16").compress(part, CompressionInfo.from_tensor(part))
+    nan = runtime_pb2.Tensor()
+    nan.CopyFrom(fp16)
+    nan.buffer = np.full(8, np.nan, np.float16).tobytes()
+    with pytest.raises(ValueError, match="non-finite"):
+        decode_part(nan)
+    check_part(torch.zeros(8), torch.Size([8]), 3.0, "peer")
+    with pytest.raises(ValueError, match=r"shape \(\) for one of \(8,\)"):  # a scalar would broadcast
+        check_part(torch.zeros(()), torch.Size([8]), 1.0, "peer")
+    for weight in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="weight"):
+            check_part(torch.zeros(8), torch.Size([8]), weight, "peer")

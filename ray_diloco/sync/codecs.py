@@ -38,10 +38,10 @@ def count_nonfinite(tensor: torch.Tensor) -> int:
     return int((~torch.isfinite(tensor)).sum())
 
 
-def require_finite(tensor: torch.Tensor) -> None:
+def require_finite(tensor: torch.Tensor, action: str = "encode") -> None:
     bad = count_nonfinite(tensor)
     if bad:
-        raise ValueError(f"refusing to encode a tensor with {bad} non-finite value(s) (NaN or inf)")
+        raise ValueError(f"refusing to {action} a tensor with {bad} non-finite value(s) (NaN or inf)")
 
 
 def power_of_two_scale(tensor: torch.Tensor) -> float:

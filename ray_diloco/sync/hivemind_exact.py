@@ -77,7 +77,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import amap_in_executor
 
-from ray_diloco.sync.wire_codecs import decode_part, roundtrip
+from ray_diloco.sync.wire_codecs import check_part, decode_part, roundtrip
 
 logger = get_logger(__name__)
 CLOSE_WAIT_SECONDS = 5.0  # a sender waits this long for its reducer to close after our stream ended
@@ -133,8 +133,10 @@ class ExactAllReduceRunner(AllReduceRunner):
             async with contextlib.aclosing(replies), contextlib.aclosing(
                 amap_in_executor(decode, replies, max_prefetch=prefetch)
             ) as decoded:
+                ours = self.tensor_part_container.get_raw_input_parts(peer_index)
                 async for averaged_part, nbytes in decoded:
                     self.bytes_received += nbytes
+                    check_part(averaged_part, ours[part_index].shape, 1.0, f"reducer {peer_id}")
                     self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                     part_index += 1
         except BaseException as e:
@@ -231,6 +233,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 self.bytes_received += nbytes
+                expected = self.parts_for_local_averaging[part_index].shape if part_index < len(
+                    self.parts_for_local_averaging) else torch.Size([-1])  # more parts than we reduce: refused
+                check_part(tensor_part, expected, weight, f"sender {self.sender_peer_ids[sender_index]}")
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight

@@ -96,8 +96,11 @@ class ScaledFloat16WireCompression(CompressionBase):
             raise ValueError(f"a scaled_float16 part of {shape.numel()} values has {len(buffer)} bytes")
         values = np.frombuffer(buffer, dtype=np.float16, count=shape.numel())
         scale = float(np.frombuffer(buffer, dtype=np.float32, offset=2 * shape.numel(), count=1)[0])
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"a scaled_float16 part has scale {scale}")
+        # Our encoder's scales are powers of two in [2^-126, 2^126] (codecs.power_of_two_scale); any other came
+        # from no peer of ours (2^-127 and below would decode finite fp16 values to inf).
+        if not (math.isfinite(scale) and scale > 0 and math.frexp(scale)[0] == 0.5
+                and -126 <= math.frexp(scale)[1] - 1 <= 126):
+            raise ValueError(f"a scaled_float16 part has scale {scale}, not a power of two in [2^-126, 2^126]")
         return get_codec("scaled-fp16").decode(torch.from_numpy(values.copy()).reshape(shape), scale)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
@@ -113,10 +116,24 @@ def make_wire_codec(name: str) -> CompressionBase:
 
 
 def decode_part(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """Any of our wire formats -> fp32 (exact and deterministic: every peer gets the same values)."""
+    """Any of our wire formats -> fp32 (exact and deterministic: every peer gets the same values). A part that
+    decodes to NaN/inf is refused (ValueError): no peer of ours sends one (the encoders refuse them), so it comes
+    from a faulty or hostile peer, and averaged in it would leave every region a NaN θ_global."""
     if serialized.dtype == ScaledFloat16WireCompression.DTYPE:
-        return ScaledFloat16WireCompression().extract(serialized)
-    return deserialize_torch_tensor(serialized).detach().float()
+        part = ScaledFloat16WireCompression().extract(serialized)
+    else:
+        part = deserialize_torch_tensor(serialized).detach().float()
+    require_finite(part, "decode")
+    return part
+
+
+def check_part(part: torch.Tensor, expected: torch.Size, weight: float, who: str) -> None:
+    """A received part against the one it answers (ours of the same index): the same shape (a scalar would
+    broadcast over the whole part), and a finite, positive weight."""
+    if part.shape != expected:
+        raise ValueError(f"{who} sent a part of shape {tuple(part.shape)} for one of {tuple(expected)}")
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"{who} sent a part with weight {weight}")
 
 
 def roundtrip(codec: CompressionBase, part: torch.Tensor) -> torch.Tensor:
