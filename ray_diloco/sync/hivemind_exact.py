@@ -35,7 +35,8 @@ MSGPackSerializer, get_dht_time):
   `_generate_input_for_peer`, `_accumulate_parts_streaming`, `rpc_aggregate_part`; calls `_ban_sender`,
   `should_delay_results`, `finalize(cancel=True)`, `_servicer_type._get_handle_name`; reads `_p2p`,
   `_prefix`, `modes`, `ordered_peer_ids`, `sender_peer_ids`, `peer_id`, `weight`, `reducer_timeout`,
-  `banned_senders`, `parts_for_local_averaging`, `tensor_part_reducer` (`accumulate_part`, `num_parts`) and
+  `banned_senders`, `parts_for_local_averaging`, `tensor_part_reducer` (`accumulate_part`, `num_parts`,
+  `part_shapes`) and
   `tensor_part_container` (`compression`, `prefetch`, `num_parts_by_peer`, `register_processed_part`,
   `register_failed_reducer`, `failed_size`, `total_size`, and sets `return_deltas`); `AveragingMode`;
   `AllreduceException`, `BannedException` (hivemind.averaging.partition); the AveragingData protobuf
@@ -102,6 +103,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self.codec: CompressionBase = self.tensor_part_container.compression
         self.bytes_sent = self.bytes_received = 0
+        self._sent_shapes: dict[int, list[torch.Size]] = {}  # per reducer: the shapes of the parts we sent it
         self._served: set[PeerID] = set()  # remote senders whose rpc_aggregate_part has ended
         self._served_changed = asyncio.Event()
 
@@ -133,10 +135,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             async with contextlib.aclosing(replies), contextlib.aclosing(
                 amap_in_executor(decode, replies, max_prefetch=prefetch)
             ) as decoded:
-                ours = self.tensor_part_container.get_raw_input_parts(peer_index)
+                sent = self._sent_shapes.setdefault(peer_index, [])
                 async for averaged_part, nbytes in decoded:
                     self.bytes_received += nbytes
-                    check_part(averaged_part, ours[part_index].shape, 1.0, f"reducer {peer_id}")
+                    expected = sent[part_index] if part_index < len(sent) else torch.Size([-1])  # unasked: refused
+                    check_part(averaged_part, expected, 1.0, f"reducer {peer_id}")
                     self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                     part_index += 1
         except BaseException as e:
@@ -208,8 +211,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         return decode_part(msg.tensor_part), msg.ByteSize()
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        sent = self._sent_shapes.setdefault(peer_index, [])
         async for msg in super()._generate_input_for_peer(peer_index):
             self.bytes_sent += msg.ByteSize()
+            sent.append(torch.Size(msg.tensor_part.size))  # before its reply can come: a reply answers a part
             yield msg
 
     # -- as a reducer: accumulate the senders' parts, answer each with the encoded average -----------------
@@ -233,8 +238,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 self.bytes_received += nbytes
-                expected = self.parts_for_local_averaging[part_index].shape if part_index < len(
-                    self.parts_for_local_averaging) else torch.Size([-1])  # more parts than we reduce: refused
+                shapes = self.tensor_part_reducer.part_shapes
+                expected = shapes[part_index] if part_index < len(shapes) else torch.Size([-1])  # extra: refused
                 check_part(tensor_part, expected, weight, f"sender {self.sender_peer_ids[sender_index]}")
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
