@@ -40,22 +40,29 @@ def region_network(cfg: ExperimentConfig, region: str) -> Network:
 
 
 def check_network(cfg: ExperimentConfig) -> None:
-    """One-line ConfigErrors for settings that cannot work: one announced address for several regions, two
-    regions of this driver on one fixed port of its node, an announced address that is no multiaddr."""
+    """One-line ConfigErrors for settings that cannot work in any cluster: one announced address for several
+    regions, an announced address that is no multiaddr (checked when the config loads)."""
     shared = [r.name for r in cfg.regions if r.announce is None]
     if cfg.outer.announce and len(cfg.regions) > 1 and shared:
         raise ConfigError(f"outer.announce: regions {shared} would all advertise {cfg.outer.announce}; give each "
                           "region its own (regions[].announce, or --announce in the cluster that runs it)")
+    for region in cfg.regions:
+        for address in region_network(cfg, region.name).announce:
+            _check_multiaddr(address, f"regions[{region.name}].announce")
+
+
+def check_driver_ports(cfg: ExperimentConfig) -> None:
+    """Two regions this driver runs may not share a fixed port: their SyncActors both run on its node. Checked
+    once the flags are applied (`--local-regions` narrows the config's regions to this cluster's), like
+    `check_elastic`: a shared config with one fixed port is fine when each cluster runs one region."""
     taken: dict[int, str] = {}
     for region in cfg.local_regions():
-        network = region_network(cfg, region.name)
-        for address in network.announce:
-            _check_multiaddr(address, f"regions[{region.name}].announce")
-        if network.port and network.port in taken:
-            raise ConfigError(f"regions[{region.name}].port: {network.port} is region {taken[network.port]}'s too, "
-                              "and this driver runs both on its node; give each region its own port, or run each "
-                              "in its own cluster (--local-regions)")
-        taken[network.port] = region.name
+        port = region_network(cfg, region.name).port
+        if port and port in taken:
+            raise ConfigError(f"regions[{region.name}].port: {port} is region {taken[port]}'s too, and this driver "
+                              "runs both on its node; give each region its own port, or run each in its own "
+                              "cluster (--local-regions)")
+        taken[port] = region.name
 
 
 _ADDRESS_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6", "dnsaddr")

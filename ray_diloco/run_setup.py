@@ -18,6 +18,7 @@ import yaml
 
 from ray_diloco import uris
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, config_changes, local_path
+from ray_diloco.network import check_driver_ports
 from ray_diloco.results import ResultsDir
 
 logger = logging.getLogger(__name__)
@@ -272,6 +273,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
         raise ConfigError("run.name: give the run a name (--run-name)")
     check_job_stop_wait(cfg, os.environ.get(JOB_STOP_WAIT_ENV_VAR), in_ray_job())
     cfg.check_elastic()
+    check_driver_ports(cfg)
     cfg = resolve_paths(cfg)
     if cfg.run.resume and cfg.run.mode == "diloco":
         require_checkpoints(cfg)

@@ -4,7 +4,7 @@ settings that cannot work refused in one line, and the warning for addresses no 
 import pytest
 
 from ray_diloco.config import ConfigError, ExperimentConfig
-from ray_diloco.network import reach, reach_warning, region_network
+from ray_diloco.network import check_driver_ports, reach, reach_warning, region_network
 
 RUN_YAML = "regions: [{name: us}, {name: eu}, {name: ap}]\n"
 
@@ -38,9 +38,6 @@ def test_the_flags_set_the_address_of_the_region_this_driver_runs_only(tmp_path)
     (["--local-regions", "eu", "--announce", "/ip4/203.0.113.7"], RUN_YAML, r"is not a multiaddr"),
     ([], RUN_YAML + "outer: {announce: [/ip4/203.0.113.7/tcp/31337]}\n",
      r"^outer\.announce: regions \['us', 'eu', 'ap'\] would all advertise"),
-    ([], "regions: [{name: us, port: 31337}, {name: eu, port: 31337}]\n",
-     r"^regions\[eu\]\.port: 31337 is region us's too"),
-    ([], "regions: [{name: us}, {name: eu}]\nouter: {port: 31337}\n", r"^regions\[eu\]\.port: 31337 is region us's"),
 ])
 def test_settings_that_cannot_work_are_one_line_naming_the_field(tmp_path, argv, text, message):
     with pytest.raises(ConfigError, match=message) as error:
@@ -67,3 +64,14 @@ def test_what_another_network_can_dial():
     assert warning.count("\n") == 0 and "--listen-host 0.0.0.0" in warning and "--announce" in warning
     assert "--announce" in reach_warning("eu", ["/ip4/192.168.1.4/tcp/1"])
     assert reach_warning("eu", ["/ip4/34.120.1.7/tcp/31337"]) is None
+
+
+@pytest.mark.parametrize("text", ["regions: [{name: us, port: 31337}, {name: eu, port: 31337}]\n",
+                                  "regions: [{name: us}, {name: eu}]\nouter: {port: 31337}\n"])
+def test_one_fixed_port_is_refused_only_for_a_driver_running_two_regions_on_it(tmp_path, text):
+    # The shared file loads (each cluster runs one region on its own head) ...
+    check_driver_ports(config(["--local-regions", "eu"], text, tmp_path))
+    # ... but one driver running both would start two SyncActors on one port of its node.
+    with pytest.raises(ConfigError, match=r"^regions\[eu\]\.port: 31337 is region us's too") as error:
+        check_driver_ports(config([], text, tmp_path))
+    assert "\n" not in str(error.value)
