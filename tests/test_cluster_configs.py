@@ -1,4 +1,5 @@
-"""The cluster examples under cluster/ against what the code reads. No cloud, Kubernetes or Ray is started:
+"""The cluster examples under cluster/ and the image they name, against what the code reads. No cloud, Kubernetes,
+Docker or Ray is started:
 
 - every YAML under cluster/ parses (yaml.safe_load_all), and every region has both deployments,
   cluster/regions/<region>.yaml (Ray's cluster launcher) and cluster/kuberay/<region>.yaml (KubeRay);
@@ -12,18 +13,27 @@
   real CLI parser as `train --local-regions <region>`;
 - each KubeRay file has a RayCluster and a RayJob (apiVersion ray.io/v1), autoscaling on, replicas within
   [minReplicas, maxReplicas]; the RayJob runs on that RayCluster, its --config lies on a head volume, and its
-  runtime env carries the env_vars of jobs/runtime_env.yaml.
+  runtime env carries the env_vars of jobs/runtime_env.yaml;
+- the Dockerfile builds the image every manifest names: its documented tag, the package's version, the Ray
+  release pyproject.toml pins (and the RayClusters' rayVersion), a Python requires-python allows, a torch
+  within pyproject's bound, and the files `pip install` needs.
 """
 
 import dataclasses
+import fnmatch
 import json
+import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import jsonschema
 import pytest
+import ray
 import ray.autoscaler
 import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 # Ray's translation of a RayCluster into autoscaler node types (what its autoscaler sees on KubeRay).
 # Private, but Ray is pinned to 2.60.x in pyproject.toml.
@@ -42,6 +52,8 @@ KUBERAY = sorted((CLUSTER / "kuberay").glob("*.yaml"))
 RAY_SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
 PRESET = get_preset("150m")
 PER_WORKER = PRESET.regions[0]  # what the preset asks of each worker of a region
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+DOCKERFILE = ROOT / "Dockerfile"
 
 
 def load(path: Path) -> list:
@@ -184,3 +196,82 @@ def test_kuberay_manifests(path):
     expected = yaml.safe_load((ROOT / "jobs" / "runtime_env.yaml").read_text())["env_vars"]
     missing = {k: v for k, v in expected.items() if env.get("env_vars", {}).get(k) != v}
     assert not missing, f"{path.name}: runtimeEnvYAML lacks jobs/runtime_env.yaml's {missing}"
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, its arguments) of a Dockerfile, continuation lines joined, comment lines dropped."""
+    instructions, current = [], ""
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        word, _, rest = (current + line).strip().partition(" ")
+        instructions.append((word.upper(), rest.strip()))
+        current = ""
+    return instructions
+
+
+def images_named(node) -> set[str]:
+    """Every image a cluster YAML names (Kubernetes containers' `image`, the launcher's docker `image`)."""
+    if isinstance(node, dict):
+        return {v for k, v in node.items() if k in ("image", "head_image", "worker_image") and isinstance(v, str)} \
+            | {image for v in node.values() for image in images_named(v)}
+    if isinstance(node, list):
+        return {image for v in node for image in images_named(v)}
+    return set()
+
+
+def test_dockerfile_builds_the_image_the_manifests_name():
+    assert DOCKERFILE.is_file(), "no Dockerfile at the repository root: nothing builds the image the manifests name"
+    text = DOCKERFILE.read_text()
+    comments = [line.lstrip("# ") for line in text.splitlines() if line.startswith("#")]
+    builds = [shlex.split(line) for line in comments if line.startswith("docker build")]
+    assert len(builds) == 1, "the Dockerfile's comments give no (or several) `docker build -t IMAGE .`"
+    image, context = builds[0][builds[0].index("-t") + 1], builds[0][-1]
+    assert context == ".", f"`docker build` context {context!r}: the Dockerfile copies from the repository root"
+    assert f"docker push {image}" in comments, f"the Dockerfile's comments do not say to push {image}"
+    named = {image for path in all_yaml() for doc in load(path) for image in images_named(doc)}
+    assert named == {image}, f"cluster/ names images {sorted(named)}, the Dockerfile builds {image}"
+    tag = image.rsplit(":", 1)[1]
+    assert tag.split("-")[0] == PYPROJECT["version"] and tag.endswith("-gpu"), \
+        f"image tag {tag!r}: not <the package's version {PYPROJECT['version']}>-gpu"
+
+    instructions = dockerfile_instructions(text)
+    deps = {Requirement(d).name: Requirement(d) for d in PYPROJECT["dependencies"]}
+    base, = [args for word, args in instructions if word == "FROM"]
+    match = re.fullmatch(r"rayproject/ray:(\d+\.\d+\.\d+)-py(\d)(\d+)-gpu", base)
+    assert match, f"FROM {base}: not one of Ray's GPU images, rayproject/ray:<version>-py<XY>-gpu"
+    ray_version, python = match.group(1), f"{match.group(2)}.{match.group(3)}"
+    assert ray_version == ray.__version__ and deps["ray"].specifier.contains(ray_version), \
+        f"the image's Ray {ray_version}: these checks ran Ray {ray.__version__}, pyproject.toml pins {deps['ray']}"
+    for path in KUBERAY:
+        cluster = next(doc for doc in load(path) if doc["kind"] == "RayCluster")
+        assert cluster["spec"]["rayVersion"] == ray_version, f"{path.name}: rayVersion is not the image's Ray"
+    assert SpecifierSet(PYPROJECT["requires-python"]).contains(python), f"the image's Python {python}"
+
+    args = dict(a.partition("=")[::2] for word, a in instructions if word == "ARG")
+    torch = args.get("TORCH_VERSION", "")
+    assert deps["torch"].specifier.contains(torch), f"torch {torch!r} outside pyproject.toml's {deps['torch']}"
+    runs = [a for word, a in instructions if word == "RUN"]
+    assert any('"torch==${TORCH_VERSION}"' in run for run in runs), "no RUN installs torch==${TORCH_VERSION}"
+
+    # What `pip install` of the package needs is copied, from files that exist and .dockerignore does not drop.
+    copied: dict[str, str] = {}
+    for word, a in instructions:
+        if word == "COPY":
+            *sources, destination = [w for w in shlex.split(a) if not w.startswith("--")]
+            copied.update({source: destination for source in sources})
+    needed = {"pyproject.toml", PYPROJECT["readme"], "ray_diloco"}
+    assert needed <= copied.keys(), f"the Dockerfile copies {sorted(copied)}, not {sorted(needed)}"
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    for source in copied:
+        assert (ROOT / source).exists(), f"COPY {source}: no such file"
+        dropped_by = [pattern for pattern in ignored if fnmatch.fnmatch(source, pattern)]
+        assert not dropped_by, f"COPY {source}: .dockerignore drops it ({dropped_by})"
+    package_dir = copied["pyproject.toml"].rstrip("/")
+    commands = [shlex.split(command) for run in runs for command in re.split(r"&&|;", run)]
+    assert any(words[:2] == ["pip", "install"] and package_dir in [w.rstrip("/") for w in words[2:]]
+               for words in commands), f"no RUN pip-installs the package copied to {package_dir}"
