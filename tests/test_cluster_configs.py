@@ -1,9 +1,12 @@
 """The cluster examples under cluster/ and the image they name, against what the code reads. No cloud, Kubernetes,
 Docker or Ray is started:
 
-- every YAML under cluster/ parses (yaml.safe_load_all), and every region has both deployments,
-  cluster/regions/<region>.yaml (Ray's cluster launcher) and cluster/kuberay/<region>.yaml (KubeRay);
-- every autoscaler YAML passes Ray's own schema, and its GPU node types carry REGION_LABEL;
+- every YAML under cluster/ parses (yaml.safe_load_all) and is one of: a Ray autoscaler config, Kubernetes
+  manifests, a Prometheus config, or a ray-diloco config, which loads as `ray-diloco config --config FILE` does
+  (a ConfigError fails); every region has both deployments, cluster/regions/<region>.yaml (Ray's cluster
+  launcher) and cluster/kuberay/<region>.yaml (KubeRay);
+- every autoscaler YAML passes Ray's own schema, its GPU node types carry REGION_LABEL, and it is one region's
+  cluster (a provider has one cloud region: no YAML mixes regions' nodes);
 - per region, on the launcher YAML and on the autoscaler config Ray's KubeRay code derives from the RayCluster:
   the head has no GPUs, some worker type has GPUs, 0 <= min_workers <= max_workers, every node type carries
   REGION_LABEL (imported from ray_diloco.driver) = the file's region, a GPU node holds whole workers of the
@@ -39,7 +42,7 @@ from packaging.specifiers import SpecifierSet
 # Private, but Ray is pinned to 2.60.x in pyproject.toml.
 from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
-from ray_diloco.cli import build_parser
+from ray_diloco.cli import build_parser, resolve_config
 from ray_diloco.config import ConfigError, RegionConfig
 from ray_diloco.driver import REGION_LABEL
 from ray_diloco.presets import get_preset
@@ -62,6 +65,17 @@ def load(path: Path) -> list:
 
 def all_yaml() -> list[Path]:
     return sorted([*CLUSTER.rglob("*.yaml"), *CLUSTER.rglob("*.yml")])
+
+
+def kind_of(doc: dict) -> str:
+    """What a YAML document under cluster/ is; anything else must be a ray-diloco config."""
+    if "available_node_types" in doc:
+        return "autoscaler"
+    if "apiVersion" in doc and "kind" in doc:
+        return "kubernetes"
+    if "scrape_configs" in doc:
+        return "prometheus"
+    return "ray-diloco"
 
 
 def test_every_yaml_parses_and_every_region_has_both_deployments():
@@ -196,6 +210,32 @@ def test_kuberay_manifests(path):
     expected = yaml.safe_load((ROOT / "jobs" / "runtime_env.yaml").read_text())["env_vars"]
     missing = {k: v for k, v in expected.items() if env.get("env_vars", {}).get(k) != v}
     assert not missing, f"{path.name}: runtimeEnvYAML lacks jobs/runtime_env.yaml's {missing}"
+
+
+def test_every_ray_diloco_config_loads():
+    """A YAML under cluster/ that is no cluster, manifest or Prometheus config is a ray-diloco config: it loads as
+    `ray-diloco config --config FILE` loads it (the preset, then the file, through ExperimentConfig)."""
+    configs = [p for p in all_yaml() if all(kind_of(doc) == "ray-diloco" for doc in load(p))]
+    assert configs, "cluster/ holds no ray-diloco config"
+    for path in configs:
+        assert len(load(path)) == 1, f"{path.relative_to(ROOT)}: a config is one YAML document"
+        try:
+            resolve_config(build_parser().parse_args(["config", "--config", str(path)]))
+        except ConfigError as error:
+            pytest.fail(f"{path.relative_to(ROOT)}: {error}")
+
+
+def test_every_autoscaler_yaml_is_one_regions_cluster():
+    """A launcher's provider lives in one cloud region: a cluster YAML runs one region of the run, every node type
+    labelled with it (the README's one cluster per region; a single YAML cannot put nodes in two cloud regions)."""
+    for path in all_yaml():
+        for doc in load(path):
+            if kind_of(doc) != "autoscaler":
+                continue
+            labels = {name: t.get("labels", {}).get(REGION_LABEL) for name, t in doc["available_node_types"].items()}
+            assert len(set(labels.values())) == 1 and None not in labels.values(), \
+                (f"{path.relative_to(ROOT)}: one cluster (provider region {doc['provider'].get('region')}) holds "
+                 f"nodes of several regions or of none: {labels}")
 
 
 def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
