@@ -13,10 +13,16 @@ Docker or Ray is started:
   `150m` preset (its GPUs and the CPUs they ask), and the region's needs (ray_diloco.resources.run_needs) fit
   what the autoscaler can grow to (check_fits, as the driver checks a cluster);
 - the `ray job submit` command in each launcher YAML's comments and each RayJob's entrypoint parse with the
-  real CLI parser as `train --local-regions <region>`;
-- each KubeRay file has a RayCluster and a RayJob (apiVersion ray.io/v1), autoscaling on, replicas within
-  [minReplicas, maxReplicas]; the RayJob runs on that RayCluster, its --config lies on a head volume, and its
-  runtime env carries the env_vars of jobs/runtime_env.yaml;
+  real CLI parser as `train --local-regions <region>`; each RayJob's entrypoint also resolves with the real CLI
+  against the run config its ConfigMap is made from: the region's Hivemind node listens on 0.0.0.0 at a fixed
+  port, announces a multiaddr naming that port (the Service's public name), so its SyncActor stays on the
+  driver's node, and the config's worker ranges fit the cluster;
+- KubeRay: each file has a RayCluster, a Service and a RayJob (apiVersion ray.io/v1), autoscaling on, replicas
+  within [minReplicas, maxReplicas]; the RayJob runs on that RayCluster, its --config lies on a head volume made
+  from a file of this repository, its runtime env carries the env_vars of jobs/runtime_env.yaml, and nothing in
+  it lets Ray run the driver off the head (entrypoint resources) or KubeRay delete the cluster (backoffLimit);
+  the Service is a LoadBalancer that selects the head pod (KubeRay's labels) and not a worker, exposes the port
+  the entrypoint passes to --port, which the head container declares beside KubeRay's own ports;
 - the Dockerfile builds the image every manifest names: its documented tag, the package's version, the Ray
   release pyproject.toml pins (and the RayClusters' rayVersion), a Python requires-python allows, a torch
   within pyproject's bound, and the files `pip install` needs.
@@ -41,10 +47,12 @@ from packaging.specifiers import SpecifierSet
 # Ray's translation of a RayCluster into autoscaler node types (what its autoscaler sees on KubeRay).
 # Private, but Ray is pinned to 2.60.x in pyproject.toml.
 from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+from ray.dashboard.consts import RAY_JOB_ALLOW_DRIVER_ON_WORKER_NODES_ENV_VAR
 
 from ray_diloco.cli import build_parser, resolve_config
-from ray_diloco.config import ConfigError, RegionConfig
+from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
 from ray_diloco.driver import REGION_LABEL
+from ray_diloco.network import region_network
 from ray_diloco.presets import get_preset
 from ray_diloco.resources import check_fits, run_needs
 
@@ -57,6 +65,9 @@ PRESET = get_preset("150m")
 PER_WORKER = PRESET.regions[0]  # what the preset asks of each worker of a region
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 DOCKERFILE = ROOT / "Dockerfile"
+# The head Service's ports KubeRay 1.5 adds only where the head container lists none (getServicePorts in
+# ray-operator/controllers/ray/common/service.go): the RayJob finds the dashboard there by name, workers the GCS.
+KUBERAY_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
 
 
 def load(path: Path) -> list:
@@ -122,18 +133,21 @@ def check_region_cluster(config: dict, region: str, where: str) -> None:
         assert cpus >= need, f"{where}: {name} has {cpus} CPUs, its {fits:g} workers ask {need:g}"
 
     # The region's whole run (its workers, SyncActor, evaluator, data reads) within the autoscaler's maximum.
-    def total(count) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        for name, t in types.items():
-            for resource, amount in t["resources"].items():
-                sums[resource] = sums.get(resource, 0) + amount * (1 if name == head_name else count(t))
-        return sums
-
     needs = run_needs(PRESET, [dataclasses.replace(PER_WORKER, name=region)])
     try:
-        check_fits(needs, total(lambda t: t.get("min_workers", 0)), total(lambda t: t["max_workers"]))
+        check_fits(needs, node_totals(config, "min_workers"), node_totals(config, "max_workers"))
     except ConfigError as error:
         pytest.fail(f"{where}: {error}")
+
+
+def node_totals(config: dict, count: str) -> dict[str, float]:
+    """The cluster's resources with each worker type at its `min_workers` or `max_workers`, the head once."""
+    sums: dict[str, float] = {}
+    for name, t in config["available_node_types"].items():
+        for resource, amount in t["resources"].items():
+            nodes = 1 if name == config["head_node_type"] else t.get(count, 0)
+            sums[resource] = sums.get(resource, 0) + amount * nodes
+    return sums
 
 
 def submit_commands(text: str) -> list[list[str]]:
@@ -236,6 +250,141 @@ def test_every_autoscaler_yaml_is_one_regions_cluster():
             assert len(set(labels.values())) == 1 and None not in labels.values(), \
                 (f"{path.relative_to(ROOT)}: one cluster (provider region {doc['provider'].get('region')}) holds "
                  f"nodes of several regions or of none: {labels}")
+
+
+def resolve_deployed(argv: list[str], config_file: Path, where: str) -> ExperimentConfig:
+    """The config a deployment's `ray-diloco train` runs, resolved by the real CLI (preset, file, flags), its
+    --config read from `config_file`: the repository file the deployment ships under that name."""
+    args = build_parser().parse_args(argv[1:])
+    args.config = str(config_file)
+    try:
+        cfg = resolve_config(args)
+        cfg.check_elastic()
+    except ConfigError as error:
+        pytest.fail(f"{where}: {error}")
+    return cfg
+
+
+def announced(cfg: ExperimentConfig, region: str, where: str) -> tuple[str, str, int]:
+    """The region's Hivemind node as the flags left it: on every interface, at a fixed port, announcing one
+    multiaddr that names a port; so its SyncActor stays on the driver's node. Returns (protocol, host, port)."""
+    network = region_network(cfg, region)
+    assert network.host == "0.0.0.0", f"{where}: Hivemind listens on {network.host}, not on the pod's or node's " \
+                                      "public interface (--listen-host 0.0.0.0)"
+    assert network.port, f"{where}: no fixed --port: no firewall rule or Service can name the port"
+    assert len(network.announce) == 1, f"{where}: announces {network.announce}, not one address (--announce)"
+    assert network.pinned, f"{where}: the SyncActor may land off the driver's node the address names"
+    # ray_diloco.network checked it is a multiaddr when the config loaded: /<ip4|dns4|…>/<host>/tcp/<port>.
+    _, protocol, host, transport, port = network.announce[0].split("/")[:5]
+    assert transport == "tcp", f"{where}: {network.announce[0]} is not a TCP address"
+    return protocol, host, int(port)
+
+
+def check_run_fits(cfg: ExperimentConfig, config: dict, where: str) -> None:
+    """The deployed config's region: its minimum within what the cluster has or can grow to, its maximum (a worker
+    range's upper end) within what the autoscaler can reach."""
+    groups = cfg.local_regions()
+    try:
+        check_fits(run_needs(cfg, groups), node_totals(config, "min_workers"), node_totals(config, "max_workers"))
+        check_fits(run_needs(cfg, groups, at_most=True), node_totals(config, "max_workers"), None)
+    except ConfigError as error:
+        pytest.fail(f"{where}: {error}")
+
+
+def pod_labels(cluster: dict, node_type: str, group: str, template: dict) -> dict[str, str]:
+    """The labels KubeRay 1.5 gives a Ray pod (labelPod, ray-operator/controllers/ray/common/pod.go): its own,
+    overridden by the template's except ray.io/cluster, ray.io/node-type and ray.io/group."""
+    name = cluster["metadata"]["name"]
+    fixed = {"ray.io/cluster": name, "ray.io/node-type": node_type, "ray.io/group": group}
+    own = {"ray.io/is-ray-node": "yes", "ray.io/identifier": f"{name}-{node_type}",
+           "app.kubernetes.io/name": "kuberay", "app.kubernetes.io/created-by": "kuberay-operator"}
+    return {**own, **template.get("metadata", {}).get("labels", {}), **fixed}
+
+
+def configmap_source(path: Path, cluster: dict, config_arg: str) -> Path:
+    """The repository file behind the entrypoint's --config: the head volume mounted at its directory is a
+    ConfigMap, made from a file by the `kubectl create configmap NAME --from-file=KEY=FILE` in the comments."""
+    pod = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0].get("volumeMounts", [])
+                 if m["mountPath"].rstrip("/") == str(Path(config_arg).parent))
+    volume = next(v for v in pod.get("volumes", []) if v["name"] == mount["name"])
+    assert "configMap" in volume, f"{path.name}: --config {config_arg} lies on no ConfigMap"
+    made = [shlex.split(line.lstrip("#"), comments=True) for line in path.read_text().splitlines()
+            if line.lstrip("# ").startswith("kubectl create configmap")]
+    assert made, f"{path.name}: no `kubectl create configmap` command in its comments"
+    for words in made:
+        if words[3] == volume["configMap"]["name"]:
+            sources = [w.split("=", 1)[1] for w in words if w.startswith("--from-file=")]
+            key, _, file = sources[0].partition("=") if sources else ("", "", "")
+            assert key == Path(config_arg).name, f"{path.name}: the ConfigMap holds {key!r}, --config reads " \
+                                                 f"{Path(config_arg).name!r}"
+            assert (ROOT / file).is_file(), f"{path.name}: the ConfigMap is made from {file!r}, no file of the " \
+                                            "repository (--from-file=KEY=FILE)"
+            return ROOT / file
+    pytest.fail(f"{path.name}: no `kubectl create configmap {volume['configMap']['name']}` in its comments")
+
+
+@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.stem)
+def test_kuberay_hivemind_service(path):
+    """A LoadBalancer Service sends the region's Hivemind port to the head pod, which declares it; the RayJob's
+    entrypoint listens there and announces the Service's public name; the driver, and so the SyncActor, stays on
+    the head."""
+    region, where = path.stem, f"{path.name}"
+    by_kind: dict[str, list[dict]] = {}
+    for doc in load(path):
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    assert len(by_kind.get("Service", [])) == 1, f"{path.name}: no one Service for the region's Hivemind port"
+    cluster, job, service = by_kind["RayCluster"][0], by_kind["RayJob"][0], by_kind["Service"][0]
+    head_template = cluster["spec"]["headGroupSpec"]["template"]
+    head = head_template["spec"]["containers"][0]
+
+    # The Service: a public load balancer in front of the head pod, and of no worker pod.
+    assert service["spec"].get("type") == "LoadBalancer", f"{where}: the Service is no LoadBalancer (no public address)"
+    selector = service["spec"].get("selector") or {}
+    head_labels = pod_labels(cluster, "head", "headgroup", head_template)
+    assert selector and selector.items() <= head_labels.items(), \
+        f"{where}: the Service's selector {selector} does not select the head pod (labels {head_labels})"
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        assert not selector.items() <= pod_labels(cluster, "worker", group["groupName"], group["template"]).items(), \
+            f"{where}: the Service's selector {selector} also selects the {group['groupName']} worker pods"
+    ports = service["spec"].get("ports", [])
+    assert len(ports) == 1 and ports[0].get("protocol", "TCP") == "TCP", f"{where}: the Service has not one TCP port"
+    target = ports[0].get("targetPort", ports[0]["port"])
+    declared = head.get("ports", [])
+    container_port = next((p["containerPort"] for p in declared if target in (p.get("name"), p["containerPort"])),
+                          None)
+    assert container_port is not None, f"{where}: the Service's targetPort {target!r} is no port the head declares"
+    by_name = {p.get("name"): p["containerPort"] for p in declared}
+    dropped = {name: port for name, port in KUBERAY_HEAD_PORTS.items() if by_name.get(name) != port}
+    assert not dropped, f"{where}: the head lists ports but not KubeRay's {dropped}, which listing ports drops"
+
+    # The entrypoint, resolved with the run config the ConfigMap is made from.
+    argv = shlex.split(job["spec"]["entrypoint"])
+    args = parse_train(argv, region, f"{where} entrypoint")
+    cfg = resolve_deployed(argv, configmap_source(path, cluster, args.config), f"{where} entrypoint")
+    protocol, host, port = announced(cfg, region, f"{where} entrypoint")
+    listen = region_network(cfg, region).port
+    assert listen == container_port, f"{where}: --port {listen}, but the Service sends to the head's {container_port}"
+    assert port == ports[0]["port"], f"{where}: --announce names port {port}, the Service exposes {ports[0]['port']}"
+    public_name = (service["metadata"].get("annotations") or {}).get("external-dns.alpha.kubernetes.io/hostname")
+    assert protocol.startswith("dns") and host == public_name, \
+        f"{where}: --announce names /{protocol}/{host}, not the Service's public name {public_name!r}"
+    metadata = {"namespace": "default", **cluster["metadata"]}
+    check_run_fits(cfg, _derive_autoscaling_config_from_ray_cr({**cluster, "metadata": metadata}), where)
+
+    # Nothing moves the driver off the head (Ray 2.60's job manager runs it there unless the job asks for resources
+    # or the head's env allows workers), lets KubeRay delete the cluster, or reuses a Ray submission id.
+    spec = job["spec"]
+    asks = [key for key in ("entrypointNumCpus", "entrypointNumGpus", "entrypointResources") if spec.get(key)]
+    assert not asks, f"{where}: the RayJob sets {asks}: Ray may then run the driver (and SyncActor) off the head"
+    env = {e["name"]: e.get("value") for e in head.get("env", [])}
+    assert env.get(RAY_JOB_ALLOW_DRIVER_ON_WORKER_NODES_ENV_VAR) != "1", f"{where}: the head lets drivers off it"
+    assert not spec.get("backoffLimit"), f"{where}: backoffLimit: KubeRay 1.5 retries by deleting the RayCluster " \
+                                         "a clusterSelector names"
+    assert "jobId" not in spec, f"{where}: a fixed jobId: the RayJob applied again reuses a Ray submission id"
+    assert spec.get("submissionMode", "K8sJobMode") in ("K8sJobMode", "HTTPMode"), \
+        f"{where}: submissionMode {spec['submissionMode']}: KubeRay submits no job (Interactive) or refuses a " \
+        "clusterSelector (Sidecar)"
 
 
 def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
