@@ -13,10 +13,12 @@ Docker or Ray is started:
   `150m` preset (its GPUs and the CPUs they ask), and the region's needs (ray_diloco.resources.run_needs) fit
   what the autoscaler can grow to (check_fits, as the driver checks a cluster);
 - the `ray job submit` command in each launcher YAML's comments and each RayJob's entrypoint parse with the
-  real CLI parser as `train --local-regions <region>`; each RayJob's entrypoint also resolves with the real CLI
-  against the run config its ConfigMap is made from: the region's Hivemind node listens on 0.0.0.0 at a fixed
-  port, announces a multiaddr naming that port (the Service's public name), so its SyncActor stays on the
-  driver's node, and the config's worker ranges fit the cluster;
+  real CLI parser as `train --local-regions <region>`, and resolve with the real CLI against the run config the
+  deployment ships (the working dir's file; the ConfigMap's source file): the region's Hivemind node listens on
+  0.0.0.0 at a fixed port, announces a multiaddr naming that port (the head's public IP; the Service's public
+  name), so its SyncActor stays on the driver's node, and the config's worker ranges fit the cluster;
+- launcher: the port is opened by the security-group rule Ray adds (its own `_update_inbound_rules` is fed the
+  file's provider config);
 - KubeRay: each file has a RayCluster, a Service and a RayJob (apiVersion ray.io/v1), autoscaling on, replicas
   within [minReplicas, maxReplicas]; the RayJob runs on that RayCluster, its --config lies on a head volume made
   from a file of this repository, its runtime env carries the env_vars of jobs/runtime_env.yaml, and nothing in
@@ -44,8 +46,9 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-# Ray's translation of a RayCluster into autoscaler node types (what its autoscaler sees on KubeRay).
-# Private, but Ray is pinned to 2.60.x in pyproject.toml.
+# Private, but Ray is pinned to 2.60.x in pyproject.toml: Ray's translation of a RayCluster into autoscaler node
+# types (what its autoscaler sees on KubeRay), and the inbound rules its AWS launcher gives the security group.
+from ray.autoscaler._private.aws.config import _update_inbound_rules
 from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 from ray.dashboard.consts import RAY_JOB_ALLOW_DRIVER_ON_WORKER_NODES_ENV_VAR
 
@@ -65,6 +68,8 @@ PRESET = get_preset("150m")
 PER_WORKER = PRESET.regions[0]  # what the preset asks of each worker of a region
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 DOCKERFILE = ROOT / "Dockerfile"
+# Stands for $HEAD_IP (`ray get-head-ip`) in the launcher YAMLs' commands: a documentation address (TEST-NET-3).
+HEAD_IP = "203.0.113.7"
 # The head Service's ports KubeRay 1.5 adds only where the head container lists none (getServicePorts in
 # ray-operator/controllers/ray/common/service.go): the RayJob finds the dashboard there by name, workers the GCS.
 KUBERAY_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
@@ -289,6 +294,44 @@ def check_run_fits(cfg: ExperimentConfig, config: dict, where: str) -> None:
         check_fits(run_needs(cfg, groups, at_most=True), node_totals(config, "max_workers"), None)
     except ConfigError as error:
         pytest.fail(f"{where}: {error}")
+
+
+@pytest.mark.parametrize("path", LAUNCHER, ids=lambda p: p.stem)
+def test_launcher_hivemind_address(path):
+    """The `ray job submit` command listens on the head, announces the head's public IP at the port the security
+    group opens, and runs the region of the repository's run config (which the working dir ships)."""
+    region, text = path.stem, path.read_text()
+    config, = load(path)
+    comments = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    assert f"HEAD_IP=$(ray get-head-ip {path.relative_to(ROOT)})" in comments, \
+        f"{path.name}: no `HEAD_IP=$(ray get-head-ip {path.relative_to(ROOT)})` for the address --announce names"
+    commands = submit_commands(text)
+    assert commands, f"{path.name}: no `ray job submit` command in its comments"
+    for command in commands:
+        argv = [arg.replace("$HEAD_IP", HEAD_IP) for arg in command[command.index("--") + 1:]]
+        args = parse_train(argv, region, path.name)
+        config_file = ROOT / args.config  # --working-dir . ships the repository; the job starts in it
+        assert config_file.is_file(), f"{path.name}: --config {args.config} is no file of the repository"
+        cfg = resolve_deployed(argv, config_file, path.name)
+        protocol, host, port = announced(cfg, region, path.name)
+        assert (protocol, host) == ("ip4", HEAD_IP), f"{path.name}: --announce names /{protocol}/{host}, not $HEAD_IP"
+        listen = region_network(cfg, region).port
+        assert port == listen, f"{path.name}: announces port {port}, listens on {listen} (no NAT on the head)"
+        check_run_fits(cfg, config, path.name)
+
+        # The inbound rules Ray's AWS launcher gives the security group it creates, from this file.
+        sent: list[dict] = []
+
+        class NewGroup:
+            ip_permissions: list = []
+
+            def authorize_ingress(self, IpPermissions):  # noqa: N803 (boto3's name)
+                sent.extend(IpPermissions)
+
+        _update_inbound_rules(NewGroup(), {"sg-of-the-cluster"}, config)
+        opening = [rule for rule in sent if rule.get("IpProtocol") == "tcp" and rule.get("IpRanges")
+                   and rule["FromPort"] <= listen <= rule["ToPort"]]
+        assert opening, f"{path.name}: no inbound rule opens TCP {listen} (provider.security_group.IpPermissions)"
 
 
 def pod_labels(cluster: dict, node_type: str, group: str, template: dict) -> dict[str, str]:
