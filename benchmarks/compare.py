@@ -76,7 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"runs and results go here (default {DEFAULT_OUTPUT_DIR})")
     parser.add_argument("--plot", metavar="PNG", help="where the loss plot goes (default OUTPUT_DIR/compare_loss.png)")
     parser.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    parser.add_argument("--arms", default=",".join(label for label, _, _ in ARMS),
+                        help="comma-separated arms to run, in table order; ddp is always run (the byte ratios are "
+                             "to it) (default: all: %(default)s)")
     return parser
+
+
+def chosen_arms(value: str) -> tuple[tuple[str, str, str], ...]:
+    """The arms `--arms` names, in table order, ddp always among them."""
+    wanted = {label.strip() for label in value.split(",") if label.strip()} | {"ddp"}
+    unknown = wanted - {label for label, _, _ in ARMS}
+    if unknown:
+        raise SystemExit(f"compare.py: --arms: {sorted(unknown)} unknown; choose from "
+                         f"{', '.join(label for label, _, _ in ARMS)}")
+    return tuple(arm for arm in ARMS if arm[0] in wanted)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -91,6 +104,7 @@ def check_args(args: argparse.Namespace) -> None:
         problems.append(f"--baseline-eval-steps must be 0 or divide T×H = {total}")
     if problems:
         raise SystemExit("compare.py: " + "; ".join(problems))
+    chosen_arms(args.arms)
 
 
 def base_config(args: argparse.Namespace) -> ExperimentConfig:
@@ -322,13 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[compare] warm start: {args.warmup_steps} steps, mode single", flush=True)
     # The arms' directories are this benchmark's own: each invocation starts them afresh (a run found under
     # its name would otherwise be continued, or refused if the flags changed).
+    arms = chosen_arms(args.arms)
     for label in ("warm-start", *(label for label, _, _ in ARMS)):
         shutil.rmtree(out / ARMS_DIR / label, ignore_errors=True)
     with ray_session(args.address, args.workers):
         warm = run_training(warm_start_config(base, args.warmup_steps), address=args.address)
     init_from = str(out / ARMS_DIR / "warm-start" / "model")
     summaries: dict[str, dict] = {}
-    for label, mode, compression in ARMS:
+    for label, mode, compression in arms:
         print(f"[compare] {label}: mode {mode}, wire {compression}, {base.total_inner_steps} steps per worker",
               flush=True)
         cfg = arm_config(base, label, mode, compression, init_from, args.baseline_eval_steps)
@@ -337,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ddp_sent = summaries["ddp"]["comm_bytes_sent"]
     ddp_per_worker = sum(ddp_sent.values()) / len(ddp_sent)
-    rows = [row_of(label, summaries[label], ddp_per_worker) for label, _, _ in ARMS]
-    curves = {label: curve_of(summaries[label]) for label, _, _ in ARMS}
+    rows = [row_of(label, summaries[label], ddp_per_worker) for label, _, _ in arms]
+    curves = {label: curve_of(summaries[label]) for label, _, _ in arms}
     total_seconds = time.perf_counter() - started
     settings = {
         "workers": args.workers, "inner_steps": args.inner_steps, "outer_steps": args.outer_steps,
