@@ -56,8 +56,10 @@ def test_a_late_region_and_one_started_after_the_run_take_the_final_state_from_s
     assert [r["outer_step"] for r in summary["a"]["rounds"]["a"]][-1] == T - 1  # a ran the last round alone
     assert summary["b"]["global_digest"]["b"] == final, out_b[-4000:]
     assert summary["b"]["finished_elsewhere"] == {"a": final} and not summary["b"]["unsettled"]
-    took = [e for e in summary["b"]["events"] if e["event"] in ("resync", "settled_at_end")]
-    assert took and took[0]["source"] == "storage" and took[0]["digest"] == final, summary["b"]["events"]
+    # The final state came from storage (a's driver was gone). On a loaded machine b may also have missed an
+    # earlier round and re-synced from a live a first: that adoption has another digest.
+    took = [e for e in summary["b"]["events"] if e["event"] in ("resync", "settled_at_end") and e["digest"] == final]
+    assert took and took[0]["source"] == "storage", summary["b"]["events"]
 
     # a's stored final state no longer matches its record: c rejects it and takes b's.
     stored = tmp_path / "late" / "states" / "a" / f"outer-{T:06d}" / "outer_state.pt"
