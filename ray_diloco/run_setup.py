@@ -19,6 +19,7 @@ import yaml
 from ray_diloco import uris
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, config_changes, local_path
 from ray_diloco.network import check_driver_ports
+from ray_diloco.run_storage import check_run_storage
 from ray_diloco.results import ResultsDir
 
 logger = logging.getLogger(__name__)
@@ -275,6 +276,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
     cfg.check_elastic()
     check_driver_ports(cfg)
     cfg = resolve_paths(cfg)
+    check_run_storage(cfg.run)  # another run's storage is refused before anything starts
     if cfg.run.resume and cfg.run.mode == "diloco":
         require_checkpoints(cfg)
     check_data(cfg.data, len(cfg.regions) if cfg.run.mode == "diloco" else len(groups), cfg.run.seed)

@@ -34,10 +34,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from ray_diloco.checkpoint import join
+from ray_diloco.uris import join
 from ray_diloco.config import ConfigError, RunConfig
 from ray_diloco.data.files import resolve_filesystem
-from ray_diloco.sync.durable import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -55,20 +54,36 @@ def _read(location: str) -> bytes | None:
         return None
 
 
-def claim_storage(run: RunConfig) -> None:
-    """Refuse storage that holds another run (ConfigError: one line, exit 2); mark ours as the run's."""
+def check_run_storage(run: RunConfig) -> bool:
+    """Refuse storage that holds another run (ConfigError: one line, exit 2), before anything starts. Returns
+    whether the run's marker is there already (the run was started before)."""
     storage = run.storage()
     bucket = storage[: -len(run.name) - 1]  # storage() is `<bucket>/<name>`, the bucket normalised
     flag = "--checkpoint-path" if run.checkpoint_path else "--output-dir"
-    if (other := _read(join(bucket, MARKER))) is not None:
+    try:
+        other, owner = _read(join(bucket, MARKER)), _read(join(storage, MARKER))
+    except OSError as error:  # an unreachable store or no access
+        raise ConfigError(f"{flag}: cannot read {storage} ({str(error).splitlines()[0]})") from None
+    if other is not None:
         raise ConfigError(f"{flag}: {bucket} is the storage of run {other.decode().strip()!r}, not a bucket; give "
                           "the directory that holds the runs (its parent)")
-    owner = _read(join(storage, MARKER))
     if owner is not None and owner.decode().strip() != run.name:
         raise ConfigError(f"--run-name {run.name}: {storage} holds run {owner.decode().strip()!r} (its {MARKER} "
                           "file); choose another --run-name or --checkpoint-path")
-    if owner is None:
-        write_atomically(storage, MARKER, f"{run.name}\n".encode())
+    return owner is not None
+
+
+def claim_storage(run: RunConfig) -> None:
+    """`check_run_storage`, then mark the storage as the run's."""
+    if not check_run_storage(run):
+        _write(run.storage(), MARKER, f"{run.name}\n".encode())
+
+
+def _write(directory: str, name: str, payload: bytes) -> None:
+    # Imported here: the CLI checks the storage before torch (which durable imports) is loaded.
+    from ray_diloco.sync.durable import write_atomically
+
+    write_atomically(directory, name, payload)
 
 
 @dataclass(frozen=True)
@@ -139,7 +154,7 @@ class RegionLease:
                        lapse)
 
     def _write(self) -> None:
-        write_atomically(self.directory, f"{self.region}.json", json.dumps(asdict(self.lease)).encode())
+        _write(self.directory, f"{self.region}.json", json.dumps(asdict(self.lease)).encode())
 
     def _renew(self) -> None:
         failing = False

@@ -14,6 +14,7 @@ import torch
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ConfigError
 from ray_diloco.presets import tiny_cpu
+from ray_diloco.run_setup import prepare_run, training_groups
 from ray_diloco.run_storage import LeaseHeld, RegionLease, claim_storage
 
 
@@ -44,6 +45,8 @@ def test_storage_that_holds_another_run_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--checkpoint-path: .*storage of run 'a'") as inside:
         claim_storage(run_in(bucket / "a", "b"))
     assert "\n" not in str(inside.value)
+    with pytest.raises(ConfigError, match=r"^--checkpoint-path: .*storage of run 'a'"):  # said before anything starts
+        prepare_run(dataclasses.replace(tiny_cpu(), run=run_in(bucket / "a", "b")), training_groups(tiny_cpu()))
     os.rename(bucket / "a", bucket / "c")  # a run's directory renamed by hand
     with pytest.raises(ConfigError, match=r"^--run-name c: .* holds run 'a'"):
         claim_storage(run_in(bucket, "c"))
