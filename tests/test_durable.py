@@ -100,3 +100,29 @@ def test_the_cli_exits_non_zero_in_one_line_when_the_run_ended_unsettled(monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ray-diloco: error: run split ended unsettled: region(s) a hold another θ_global than the "
                    "exported x; see summary.json"]
+
+
+def test_writers_of_the_same_file_at_once_never_fail_or_leave_half_a_file(tmp_path):
+    """Drivers of one run's clusters write the run's RUN marker at the same moment: with one shared temporary
+    name, one writer's rename took the other's file away (FileNotFoundError) or moved half of it in place."""
+    import threading
+
+    from ray_diloco.sync.durable import write_atomically
+
+    errors, payloads = [], [bytes([i]) * 200_000 for i in range(8)]
+
+    def write(payload):
+        try:
+            for _ in range(20):
+                write_atomically(str(tmp_path), "RUN", payload)
+        except Exception as error:  # noqa: BLE001 — collected for the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+    assert (tmp_path / "RUN").read_bytes() in payloads
+    assert [p.name for p in tmp_path.iterdir()] == ["RUN"]  # no temporary file left

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -43,7 +45,9 @@ def write_atomically(directory: str, name: str, payload: bytes) -> str:
     fs.create_dir(path, recursive=True)
     target = join(path, name)
     if isinstance(fs, pafs.LocalFileSystem):  # write aside, then rename
-        temporary = join(path, f".{name}.tmp")
+        # A name of its own per writer: two drivers writing the same file at once (the run's RUN marker) must not
+        # rename each other's half-written file away.
+        temporary = join(path, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         with fs.open_output_stream(temporary) as stream:
             stream.write(payload)
         fs.move(temporary, target)
