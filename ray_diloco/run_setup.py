@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 
 from ray_diloco import uris
-from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, config_changes, local_path
+from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, local_path
+from ray_diloco.continuation import config_changes
 from ray_diloco.network import check_driver_ports
 from ray_diloco.run_storage import check_run_storage
 from ray_diloco.results import ResultsDir

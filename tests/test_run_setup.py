@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
-from ray_diloco.config import ConfigError, config_changes
+from ray_diloco.config import ConfigError
+from ray_diloco.continuation import config_changes
 from ray_diloco.presets import tiny_cpu
 from ray_diloco.resources import check_fits, run_needs
 from ray_diloco.run_setup import choose_resume_steps, resume_plan, training_groups
