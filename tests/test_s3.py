@@ -11,6 +11,7 @@ subprocess on 127.0.0.1, `tests/s3_server.py`) reached through the standard AWS 
 """
 
 import dataclasses
+import gc
 import json
 import time
 
@@ -36,6 +37,12 @@ def s3_server():
     server = S3Server().start()
     yield server
     server.stop()
+    # Arrow requires FinalizeS3 before the process ends; its own atexit hook runs during interpreter shutdown,
+    # with other threads still alive, and a pytest process ended in a segmentation fault (exit 139) after
+    # every test had passed. This module is the only one using S3 in the pytest process, so it shuts the AWS
+    # SDK down here, once its clients are gone. A later in-process S3 call would raise, not pass silently.
+    gc.collect()
+    pafs.finalize_s3()
 
 
 @pytest.fixture

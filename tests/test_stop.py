@@ -107,7 +107,8 @@ def test_a_region_that_never_reaches_a_boundary_is_aborted_at_the_stop_timeout(t
         "inner": {"warmup_steps": 2}}))
     driver = Driver(["--config", str(config), "--regions", "2", "--run-name", "aborted", "--output-dir",
                      str(tmp_path)], driver_env(**{SLOW_REGION_ENV_VAR: "region-b:600"}))  # b never gets past step 3
-    driver.wait_for_line("[region-a] outer step 1/50 synced", timeout=240)
+    # Generous: a loaded CI machine took over 240 s to start both regions' workers here.
+    driver.wait_for_line("[region-a] outer step 1/50 synced", timeout=480)
     started = driver.stop()
     stopped_at = time.monotonic()
     code = driver.process.wait(timeout=120)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ray_diloco.config import DataConfig
 from ray_diloco.data.files import embedded_eval_path, filesystem_for, list_data_files
 from ray_diloco.data.packing import pack_documents, parse_c4_lines
-from ray_diloco.tokenizer import encode_documents
+from ray_diloco.tokenizer import DocumentEncoder, encode_documents
 
 if TYPE_CHECKING:  # torch is imported where used: Ray Data workers import this package
     import torch  # (via ray_diloco.data) and should not pay ~2 s for a torch they never use.
@@ -29,6 +29,7 @@ def load_eval_windows(cfg: DataConfig, tokenizer) -> "torch.Tensor":
     Files are read in sorted order and only until enough tokens are in hand, so pointing
     eval_path at a full C4 validation split costs a few documents, not the whole split.
     """
+    encoder = DocumentEncoder.of(tokenizer)
     files = list_data_files(cfg.eval_path) if cfg.eval_path else [embedded_eval_path()]
     fs, paths = filesystem_for(files)
     needed = cfg.eval_windows * cfg.seq_len
@@ -42,7 +43,7 @@ def load_eval_windows(cfg: DataConfig, tokenizer) -> "torch.Tensor":
         for start in range(0, len(lines), _DOCS_PER_ENCODE):
             texts, bad = parse_c4_lines(lines[start : start + _DOCS_PER_ENCODE])
             skipped += bad
-            for ids in encode_documents(tokenizer, texts):
+            for ids in encode_documents(encoder, texts):
                 token_lists.append(ids)
                 have += len(ids) + 1  # + EOS
             if have >= needed:
@@ -51,7 +52,7 @@ def load_eval_windows(cfg: DataConfig, tokenizer) -> "torch.Tensor":
             break
     if skipped:
         logger.warning("held-out set: skipped %d malformed record(s) in %s", skipped, files)
-    windows, _ = pack_documents(token_lists, tokenizer.eos_token_id, cfg.seq_len)
+    windows, _ = pack_documents(token_lists, encoder.eos_token_id, cfg.seq_len)
     if len(windows) == 0:
         raise ValueError(
             f"the held-out set {files} gives no full window of {cfg.seq_len} tokens "

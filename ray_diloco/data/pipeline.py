@@ -23,7 +23,7 @@ from ray_diloco.data.files import (
     split_files_across_regions,
 )
 from ray_diloco.data.packing import pack_documents, parse_c4_lines
-from ray_diloco.tokenizer import encode_documents, load_tokenizer
+from ray_diloco.tokenizer import DocumentEncoder, encode_documents, load_document_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +75,15 @@ def batch_key(items: Any) -> bytes:
     return digest.digest()
 
 
-# One tokenizer per worker process: tasks get the tokenizer's *name* and load it once here,
+# One encoder per worker process: tasks get the tokenizer's *name* and load it once here,
 # instead of pickling a ~1.5 MB tokenizer into every task.
-_TOKENIZERS: dict[str | None, Any] = {}
+_ENCODERS: dict[str | None, DocumentEncoder] = {}
 
 
-def _tokenizer(name: str | None) -> Any:
-    if name not in _TOKENIZERS:
-        _TOKENIZERS[name] = load_tokenizer(name)
-    return _TOKENIZERS[name]
+def _encoder(name: str | None) -> DocumentEncoder:
+    if name not in _ENCODERS:
+        _ENCODERS[name] = load_document_encoder(name)
+    return _ENCODERS[name]
 
 
 def _pack_batch(
@@ -101,9 +101,9 @@ def _pack_batch(
         raw = list(batch["text"])
         texts = [t for t in raw if isinstance(t, str) and t]
         skipped = len(raw) - len(texts)
-    tokenizer = _tokenizer(tokenizer_name)
-    ids = encode_documents(tokenizer, texts)
-    windows, tail = pack_documents(ids, tokenizer.eos_token_id, seq_len)
+    encoder = _encoder(tokenizer_name)
+    ids = encode_documents(encoder, texts)
+    windows, tail = pack_documents(ids, encoder.eos_token_id, seq_len)
     if skipped:
         logger.warning("skipped %d malformed record(s) without a string 'text'", skipped)
     if counters is not None:
