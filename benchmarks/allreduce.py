@@ -2,10 +2,13 @@
 
     python benchmarks/allreduce.py                          # 100 MB, 2 and 4 regions, loopback (~2 min)
     python benchmarks/allreduce.py --regions 2 --wan-mbit 100   # under a 100 Mbit/s link (root, tc)
+    python benchmarks/allreduce.py --regions 2 --secret both    # the cost of the run's secret (signed records,
+                                                                # members-only groups), in one run
 
 Each region is a process of its own with a `RegionAverager` (ray_diloco.sync.averaging: the SyncActor's,
 Hivemind DHT + the exact all-reduce, `--compression` on the wire) listening on a fixed port; they meet through
-the first one's DHT address, then run `--rounds` rounds from a common barrier, `--gap-seconds` apart (the
+the first one's DHT address (with `--secret on`: signed and checked records, and each region's record naming its
+peer ID, as a SyncActor's state record does, so that only members join a group; ray_diloco.sync.auth), then run `--rounds` rounds from a common barrier, `--gap-seconds` apart (the
 inner steps between two rounds, not timed: what a region prepares between rounds is off the critical path).
 Per configuration it prints the median round and its split (averager start-up, matchmaking, all-reduce =
 transfer + decode, shutdown), the bytes each region sent, and the byte floor: the most bytes one region sent
@@ -24,11 +27,15 @@ import sys
 import time
 
 import torch
+from hivemind.utils import get_dht_time
 
 from ray_diloco.sync.averaging import RegionAverager
+from ray_diloco.sync.state_sharing import state_key
 from ray_diloco.sync.wan_emulation import Link, ShapedPorts, ShapingError, check_can_shape, verify_link
 
 BASE_PORT = 46100
+RUN = "allreduce-bench"
+SECRET = b"benchmark-secret-" * 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,19 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gap-seconds", type=float, default=3.0,
                         help="between rounds, where the inner steps would run (default 3; not timed)")
     parser.add_argument("--part-kb", type=int, default=512, help="all-reduce message part size (default 512)")
+    parser.add_argument("--secret", choices=["off", "on", "both"], default="off",
+                        help="the run's secret: off (default), on, or both (each configuration twice, and the ratio)")
     parser.add_argument("--wan-mbit", type=float, default=0.0,
                         help="shape the regions' ports to this rate (root and tc; 0: loopback, the default)")
     return parser
 
 
-def region_process(index: int, regions: int, args: argparse.Namespace, peers, barrier, results) -> None:
+def region_process(index: int, regions: int, args: argparse.Namespace, signed: bool, peers, barrier,
+                   results) -> None:
     torch.set_num_threads(1)
     initial = None if index == 0 else peers.get(timeout=60)
     averager = RegionAverager(
-        run_id="allreduce-bench", region=f"r{index}", expected_regions=regions, compression=args.compression,
+        run_id=RUN, region=f"r{index}", expected_regions=regions, compression=args.compression,
         initial_peers=initial, port=BASE_PORT + index, matchmaking_seconds=args.matchmaking_seconds,
         part_size_bytes=args.part_kb * 1024,
-        averaging_timeout=max(120.0, 20 * args.mb * 8 / max(args.wan_mbit, 1.0)))
+        averaging_timeout=max(120.0, 20 * args.mb * 8 / max(args.wan_mbit, 1.0)),
+        secret=SECRET if signed else None, members_key=state_key(RUN) if signed else None)
+    if signed:  # what makes a region a member: a signed record naming its peer ID
+        averager.dht.store(state_key(RUN), subkey=f"r{index}", value={"peer_id": averager.dht.peer_id.to_base58()},
+                           expiration_time=get_dht_time() + 3600)
     if index == 0:
         for _ in range(regions - 1):
             peers.put(averager.visible_multiaddrs())
@@ -69,10 +83,10 @@ def region_process(index: int, regions: int, args: argparse.Namespace, peers, ba
     averager.shutdown()
 
 
-def run_config(regions: int, args: argparse.Namespace, rate_mbit: float) -> dict:
+def run_config(regions: int, args: argparse.Namespace, rate_mbit: float, signed: bool) -> dict:
     ctx = mp.get_context("fork")  # as in a Ray worker: the averager forks its own child process
     peers, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(regions)
-    processes = [ctx.Process(target=region_process, args=(i, regions, args, peers, barrier, results))
+    processes = [ctx.Process(target=region_process, args=(i, regions, args, signed, peers, barrier, results))
                  for i in range(regions)]
     for process in processes:
         process.start()
@@ -122,15 +136,22 @@ def measure(args: argparse.Namespace, counts: list[int], ports: list[int], link:
     print(f"# {label}: {check.line(link) if link else f'one TCP stream {check.rate_mbit:.0f} Mbit/s'}")
     print(f"# {args.mb:g} MB fp32 per region, {args.compression} on the wire, {args.rounds} rounds, "
           f"matchmaking {args.matchmaking_seconds:g} s")
-    print("| regions | link | round s | start-up | matchmaking | all-reduce | shutdown | MB sent | floor s | ÷ floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| regions | secret | link | round s | start-up | matchmaking | all-reduce | shutdown | MB sent | floor s "
+          "| ÷ floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.secret]
     for regions in counts:
-        started = time.time()
-        row = run_config(regions, args, check.rate_mbit)
-        print(f"| {regions} | {label} | {row['seconds']:.2f} | {row['startup']:.2f} | {row['matchmaking']:.2f} "
-              f"| {row['allreduce']:.2f} | {row['shutdown']:.2f} | {row['sent_mb']:.1f} | {row['floor']:.3f} "
-              f"| {row['ratio']:.1f} |", flush=True)
-        print(f"#   ({time.time() - started:.0f} s wall)", file=sys.stderr)
+        rows = {}
+        for signed in modes:
+            started = time.time()
+            row = rows[signed] = run_config(regions, args, check.rate_mbit, signed)
+            print(f"| {regions} | {'on' if signed else 'off'} | {label} | {row['seconds']:.2f} | {row['startup']:.2f} "
+                  f"| {row['matchmaking']:.2f} | {row['allreduce']:.2f} | {row['shutdown']:.2f} "
+                  f"| {row['sent_mb']:.1f} | {row['floor']:.3f} | {row['ratio']:.1f} |", flush=True)
+            print(f"#   ({time.time() - started:.0f} s wall)", file=sys.stderr)
+        if len(rows) == 2:
+            print(f"# {regions} regions: round with the secret ÷ without: {rows[True]['seconds'] / rows[False]['seconds']:.3f}"
+                  f" (all-reduce {rows[True]['allreduce'] / rows[False]['allreduce']:.3f})", flush=True)
 
 
 if __name__ == "__main__":

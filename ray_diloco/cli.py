@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "firewall or NAT forward names it; default outer.port, 0: any)")
     train.add_argument("--announce", help="comma-separated multiaddrs the other regions dial to reach this driver's "
                        "region, e.g. /ip4/203.0.113.7/tcp/31337 (behind NAT: the public address and forwarded port)")
+    train.add_argument("--secret-file", metavar="FILE", help="the run's secret, the same file in every region (create "
+                       "it with `openssl rand -hex 32 > FILE`): only holders of it take part")
     train.add_argument("--local-regions", help="comma-separated regions of the config this Ray cluster runs "
                                                "(one cluster per region); default: all")
     train.add_argument("--mode", choices=["diloco", "ddp", "single"],
@@ -195,6 +197,8 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
         outer = replace(outer, compression=args.compression)
     if args.initial_peers is not None:
         outer = replace(outer, initial_peers=[p.strip() for p in args.initial_peers.split(",") if p.strip()])
+    if args.secret_file is not None:
+        outer = replace(outer, secret_file=args.secret_file)
     data = cfg.data
     if args.data is not None:
         data = replace(data, path=args.data)

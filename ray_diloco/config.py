@@ -181,6 +181,11 @@ class OuterConfig:
     """Multiaddrs the other regions dial, when they differ from what the node sees on its own interfaces (behind
     NAT: the public address and port forwarded to it, e.g. /ip4/203.0.113.7/tcp/31337, or a relay's address).
     Written to the run's peer files and logged at start."""
+    secret_file: str = ""
+    """A file holding the run's secret (at least 32 bytes: `openssl rand -hex 32 > run.secret`), the same file in
+    every region. Every DHT record is signed with it and checked, and only peers that a signed record names may
+    join a round or download the state (ray_diloco.sync.auth). Empty: anyone who reaches a region's port and knows
+    the run's name can take part (a warning says so for a run across clusters). Only the path is ever written."""
     overlap: bool = False
     """Run each round while the workers train the next H inner steps; its update reaches them one round late,
     with what they trained meanwhile kept (DiLoCoX's one-step-delay overlap; see ray_diloco.sync.actor). Hides

@@ -43,6 +43,7 @@ from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_backgro
                                    wait_until_dead)
 from ray_diloco.stopping import RunStop, RunStopped
 from ray_diloco.sync.actor import SyncActor
+from ray_diloco.sync.secret import read_secret
 from ray_diloco.worker import region_train_loop
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     outer step each region continues from (None: a fresh start)."""
     actors, peers = [], list(cfg.outer.initial_peers)
     config = cfg.to_dict()
+    # The bytes, not the path: a SyncActor may run on another node. Never in the config, a log or a summary.
+    secret = read_secret(cfg.outer.secret_file) if cfg.outer.secret_file else None
     if any(step is not None for step in resume.values()):
         print(f"[driver] continuing run {cfg.run.name} from outer steps {resume} (checkpoints under "
               f"{cfg.run.checkpoint_root()})", flush=True)
@@ -183,12 +186,16 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
                                    "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region, pinned)}
         # One evaluator for the run: θ_global is the same in every region.
         actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds,
-                                                    evaluator if not actors else None, step)
+                                                    evaluator if not actors else None, step, secret)
         if not peers:
             peers = ray.get(actor.multiaddrs.remote())
         actors.append(actor)
     ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too
     if len(cfg.local_regions()) < len(cfg.regions) or cfg.outer.initial_peers:  # regions in other clusters
+        if secret is None:
+            print(f"[driver] warning: run {cfg.run.name} has no secret: anyone who reaches a region's Hivemind port "
+                  "and knows the run's name can take part; give every region --secret-file (README: threat model)",
+                  flush=True)
         for region, actor in zip(cfg.local_regions(), actors):
             if warning := reach_warning(region.name, ray.get(actor.multiaddrs.remote())):
                 print(warning, flush=True)

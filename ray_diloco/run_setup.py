@@ -266,6 +266,17 @@ class PreparedRun:
     resume: dict[str, int | None]
 
 
+def check_secret(cfg: ExperimentConfig) -> None:
+    """A given secret file must be readable and long enough (the SyncActors read it again when they start)."""
+    if cfg.outer.secret_file:
+        from ray_diloco.sync.secret import read_secret
+
+        try:
+            read_secret(cfg.outer.secret_file)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
 def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRun:
     """Every check that needs no cluster, in the order a user would fix them; writes nothing."""
     from ray_diloco.data.preflight import check_data
@@ -276,6 +287,7 @@ def prepare_run(cfg: ExperimentConfig, groups: list[RegionConfig]) -> PreparedRu
     check_job_stop_wait(cfg, os.environ.get(JOB_STOP_WAIT_ENV_VAR), in_ray_job())
     cfg.check_elastic()
     check_driver_ports(cfg)
+    check_secret(cfg)
     cfg = resolve_paths(cfg)
     check_run_storage(cfg.run)  # another run's storage is refused before anything starts
     if cfg.run.resume and cfg.run.mode == "diloco":

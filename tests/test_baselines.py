@@ -40,6 +40,7 @@ def cli(*argv, cwd):
     (["--resume"], "--resume: name the run"),
     (["--run-name", "none-yet", "--resume"], "--resume: no committed checkpoint"),
     (["--regions", "9"], "regions"),  # 8 bundled files: a region would have none
+    (["--secret-file", "/nonexistent/run.secret"], "--secret-file /nonexistent/run.secret: cannot be read"),
 ])
 def test_bad_input_is_one_line_exit_2_within_5_seconds_and_writes_nothing(tmp_path, argv, message):
     done, seconds = cli(*argv, "--output-dir", str(tmp_path / "out"), cwd=tmp_path)

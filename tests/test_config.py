@@ -72,9 +72,10 @@ def test_train_flags_reach_the_config():
 
     args = build_parser().parse_args(["train", "--regions", "us,eu", "--checkpoint-every", "3", "--checkpoint-path",
                                       "s3://bucket/ckpt", "--max-failures", "4", "--resume", "--outer-steps", "9",
-                                      "--run-name", "again"])
+                                      "--run-name", "again", "--secret-file", "/etc/diloco/run.secret"])
     cfg = resolve_config(args)
     assert [r.name for r in cfg.regions] == ["us", "eu"]
+    assert cfg.outer.secret_file == "/etc/diloco/run.secret"  # the path only: the driver reads the bytes
     assert (cfg.run.checkpoint_every, cfg.run.checkpoint_path, cfg.run.max_failures, cfg.run.resume,
             cfg.run.outer_steps) == (3, "s3://bucket/ckpt", 4, True, 9)
     # Everything of the run lives under its name in the shared bucket (runs sharing it stay apart).

@@ -4,9 +4,20 @@ Checks that after every outer step all regions hold bit-identical θ_global, tha
 that regions of different sizes train together (with the overlapped outer step), and that the distributed run
 computes DiLoCo exactly: the plain-PyTorch outer step of `ray_diloco.sync.outer`, fed what each region actually
 sent, reproduces every θ_global to fp16 wire rounding (token-weighted, with the right sign).
+
+The 2x2 run has a secret (outer.secret_file) and an intruder beside it (tests/intruder.py: real Hivemind, our own
+code, the run's name and config, not its secret) forging records, asking for the state and trying to join every round
+with a Δ of 1000 at weight 10^6: the run's every round is still the two regions' exact DiLoCo step, and the
+intruder's downloads are refused and counted (`peer_rejected`).
 """
 
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import ray
 
@@ -75,9 +86,26 @@ def assert_matches_plain_pytorch_outer_step(summary, recorded, cfg):
             param.data.copy_(actual[name])
 
 
-def test_two_regions_of_two_workers_agree_bit_for_bit_and_learn(local_ray, tmp_path):
+def test_two_regions_of_two_workers_agree_bit_for_bit_and_learn_with_an_intruder_beside_them(local_ray, tmp_path):
+    secret = tmp_path / "run.secret"
+    secret.write_text(os.urandom(32).hex())
     cfg = small_run(tmp_path, "two-by-two", workers=[2, 2])
-    summary, recorded = run_recording(cfg)
+    cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, secret_file=str(secret)))
+    (tmp_path / "run.yaml").write_text(cfg.to_yaml())
+    report = tmp_path / "intruder.json"
+    intruder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("intruder.py")),
+                                 str(tmp_path / "run.yaml"), str(report)], start_new_session=True)
+    try:
+        summary, recorded = run_recording(cfg)
+    finally:  # its group: the intruder and what it started (its DHT process, p2pd, averagers)
+        os.killpg(intruder.pid, signal.SIGKILL)
+        intruder.wait(30)
+    tried = json.loads(report.read_text())
+    assert tried["forged_stores"] and tried["download_attempts"] and tried["average_attempts"], tried
+    assert tried["downloads_served"] == 0 and tried["largest_group"] <= 1, tried
+    rejected = [e for e in summary["events"] if e["event"] == "peer_rejected"]
+    assert rejected and {e["what"] for e in rejected} == {"a state download"}, rejected
+    assert secret.read_text() not in json.dumps(summary)
     assert_regions_agree_every_round(summary, cfg)
     assert summary["eval_loss"] < summary["eval_loss_at_start"] - 0.5, summary
     assert_matches_plain_pytorch_outer_step(summary, recorded, cfg)

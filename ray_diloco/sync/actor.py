@@ -64,7 +64,8 @@ class SyncActorImpl(Membership, Rounds):
     the regions' records is in `Membership` (membership.py)."""
 
     def __init__(self, config: dict, region: str, initial_peers: list[str] | None = None,
-                 record_rounds: bool = False, evaluator=None, resume_step: int | None = None):
+                 record_rounds: bool = False, evaluator=None, resume_step: int | None = None,
+                 secret: bytes | None = None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = ExperimentConfig.from_dict(config)
         self.region = region
@@ -77,7 +78,7 @@ class SyncActorImpl(Membership, Rounds):
         self.outer = OuterOptimizer(initial, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
                                     nesterov=cfg.outer.nesterov)
         self._init_round_state(record_rounds, evaluator)
-        self._start_hivemind(list(initial_peers or cfg.outer.initial_peers))
+        self._start_hivemind(list(initial_peers or cfg.outer.initial_peers), secret)
         if resume_step is not None:
             self._resume_from_checkpoint(resume_step)
         if self.sharer is not None:
@@ -88,9 +89,10 @@ class SyncActorImpl(Membership, Rounds):
         metrics.safely(metrics.record_event, cfg.run.name, region, "sync_actor_started")
         metrics.safely(metrics.record_outer_step, cfg.run.name, region, self.outer.step_count)
 
-    def _start_hivemind(self, bootstrap: list[str]) -> None:
+    def _start_hivemind(self, bootstrap: list[str], secret: bytes | None) -> None:
         """The region's Hivemind node (DHT + averager) and its state sharing, where the run has other regions
-        (the run's, not this cluster's: the others may run elsewhere) or peers to join."""
+        (the run's, not this cluster's: the others may run elsewhere) or peers to join. With the run's secret,
+        records are signed and checked and only members are served (ray_diloco.sync.auth)."""
         cfg = self.config
         self.expected_regions = len(cfg.regions)
         self.averager = self.sharer = None
@@ -101,7 +103,7 @@ class SyncActorImpl(Membership, Rounds):
         self._storage = BoundedCalls()  # every call to the run's storage has a time bound
         if self.expected_regions == 1 and not bootstrap:  # a DHT is only needed across regions
             return
-        from ray_diloco.sync.state_sharing import StateSharer
+        from ray_diloco.sync.state_sharing import StateSharer, state_key
 
         network = region_network(cfg, self.region)  # this region's own address settings
         self.averager = RegionAverager(
@@ -109,13 +111,19 @@ class SyncActorImpl(Membership, Rounds):
             compression=cfg.outer.compression, initial_peers=bootstrap or None,
             host=network.host, port=network.port, matchmaking_seconds=cfg.outer.matchmaking_seconds,
             averaging_timeout=cfg.outer.averaging_timeout, announce_maddrs=list(network.announce) or None,
+            secret=secret, members_key=state_key(cfg.run.name) if secret else None,
         )
         # Every region publishes (outer step, digest of θ_global) and serves its outer state, so a late
         # region re-syncs and a joining one starts from the run's state. A killed region's record
         # expires after `ttl`, which also shrinks the group the others wait for.
         self.sharer = StateSharer(self.averager.dht, cfg.run.name, self.region, self._snapshot,
                                   ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False,
-                                  schema={name: (tuple(shape), "float32") for name, shape in self.shapes.items()})
+                                  schema={name: (tuple(shape), "float32") for name, shape in self.shapes.items()},
+                                  members_only=bool(secret), on_reject=self._peer_rejected)
+
+    def _peer_rejected(self, peer, what: str) -> None:
+        """A peer that no signed record of the run names asked us for something (once per peer): counted."""
+        self.record_event("peer_rejected", peer=peer.to_base58(), what=what)
 
     def _init_round_state(self, record_rounds: bool, evaluator) -> None:
         """Everything the rounds, the workers' exchanges and the summary keep, empty."""

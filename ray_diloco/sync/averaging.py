@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind import DHT
 
+from ray_diloco.sync.auth import RecordAuthenticator
 from ray_diloco.sync.codecs import CODEC_NAMES, count_nonfinite, get_codec
 from ray_diloco.sync.hivemind_exact import ExactAverager
 from ray_diloco.sync.wire_codecs import make_wire_codec
@@ -152,7 +153,10 @@ class RegionAverager:
                  initial_peers: list[str] | None = None, host: str = "127.0.0.1",
                  matchmaking_seconds: float = 5.0, averaging_timeout: float = 60.0,
                  announce_maddrs: list[str] | None = None, dht: DHT | None = None, port: int = 0,
-                 part_size_bytes: int = 2**19, next_chunk_timeout: float | None = None):
+                 part_size_bytes: int = 2**19, next_chunk_timeout: float | None = None,
+                 secret: bytes | None = None, members_key: str | None = None):
+        """secret: the run's secret (`auth.py`): our DHT signs and checks every record with it. members_key
+        (with a secret): the DHT key whose valid records name the run's peers; only they may join our groups."""
         if compression not in CODEC_NAMES:
             raise ValueError(f"compression {compression!r} is unknown; choose one of {CODEC_NAMES}")
         if expected_regions < 1:
@@ -173,6 +177,9 @@ class RegionAverager:
         # sender's end of stream counts as a chunk and comes only once it has read every reply: keep the
         # value above a round's reply time). The SyncActor leaves it None.
         self.next_chunk_timeout = next_chunk_timeout
+        if members_key and not secret:
+            raise ValueError("members_key without a secret: anyone could write the records that name members")
+        self.members_key = members_key
         self._lock = threading.Lock()
         # The next round's averager, started after a round (tuple of key, averager, buffers), and its thread.
         self._prepared: tuple | None = None
@@ -182,6 +189,8 @@ class RegionAverager:
         self._owns_dht = dht is None
         if dht is None:
             kwargs = dict(announce_maddrs=announce_maddrs) if announce_maddrs else {}
+            if secret:
+                kwargs["record_validators"] = [RecordAuthenticator(secret, run_id)]
             dht = DHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host, port)], start=True,
                       **kwargs)
         self.dht = dht
@@ -316,7 +325,7 @@ class RegionAverager:
             allreduce_timeout=self.averaging_timeout, next_chunk_timeout=self.next_chunk_timeout,
             # A sender reads our last replies behind the link's backlog: shutting down first would cut it off;
             # a quarter of the round's time, so that the wait itself leaves the round inside averaging_timeout.
-            allow_state_sharing=False, served_timeout=0.25 * self.averaging_timeout,
+            allow_state_sharing=False, served_timeout=0.25 * self.averaging_timeout, members_key=self.members_key,
             shutdown_timeout=2.0,
         )
         try:

@@ -78,6 +78,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import amap_in_executor
 
+from ray_diloco.sync.auth import MemberGate
 from ray_diloco.sync.wire_codecs import check_part, decode_part, roundtrip
 
 logger = get_logger(__name__)
@@ -308,8 +309,10 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
-                 served_timeout: float = 10.0, **kwargs):
+                 served_timeout: float = 10.0, members_key: Optional[str] = None, **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
+        # members_key (a run with a secret): only peers that a valid record under it names may join our group.
+        self._gate = MemberGate(dht, members_key, self.prefix) if members_key else None
         names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
         self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
         self.served_timeout = served_timeout
@@ -327,6 +330,15 @@ class ExactAverager(DecentralizedAverager):
         except ValueError:
             pass
         super().run()
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._gate is not None and not await self._gate.admits(context.remote_id, "a request to join the group"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         self._round_stats = None

@@ -36,6 +36,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 
+from ray_diloco.sync.auth import MemberGate
 from ray_diloco.sync.averaging import safe_name
 from ray_diloco.sync.outer import state_digest
 from ray_diloco.sync.policy import PHASES, StateRecord, choose_canonical, parse_record
@@ -102,13 +103,16 @@ class StateSharer:
     def __init__(self, dht: DHT, run_id: str, region: str, get_state: Callable[[], State], *,
                  ttl: float = 120.0, chunk_bytes: int = 2**19, chunk_timeout: float = 30.0,
                  dht_timeout: float = 30.0, snapshot: bool = True, copy_state: bool = True,
-                 schema: Schema):
+                 schema: Schema, members_only: bool = False,
+                 on_reject: Callable[[PeerID, str], None] | None = None):
         """Serves this region's (outer_step, θ_global, momentum) to peers and publishes StateRecords in the DHT.
 
         ttl: lifetime of a DHT record; a background thread re-stores the last one every ttl/3, so a region that
         died disappears within ttl. copy_state=False: `get_state` already returns private copies nobody mutates.
         schema: the model's parameters, name -> (shape, dtype name); a downloaded state is checked against it
         before anything is allocated (`check_header`): a peer's numbers never size an allocation.
+        members_only (a run with a secret, `auth.py`): the state is served only to peers a valid record of this
+        run names; `on_reject(peer, what)` is called once per refused peer.
         """
         if ttl <= 0 or chunk_bytes <= 0:
             raise ValueError("ttl and chunk_bytes must be > 0")
@@ -118,6 +122,7 @@ class StateSharer:
         self.snapshot, self.copy_state = snapshot, copy_state
         self.schema = dict(schema)
         self.key = state_key(run_id)
+        self.gate = MemberGate(dht, self.key, region, on_reject=on_reject) if members_only else None
         self._record: StateRecord | None = None
         self._served: _Served | None = None
         self._expiration = 0.0
@@ -224,6 +229,8 @@ class StateSharer:
 
     # -- serving -------------------------------------------------------------------------------------
     async def _serve(self, request: averaging_pb2.DownloadRequest, context: P2PContext):
+        if self.gate is not None and not await self.gate.admits(context.remote_id, "a state download"):
+            return  # the client sees a stream without a header, as from a region with nothing to serve
         if self.snapshot:
             served = self._served
         else:
