@@ -9,8 +9,9 @@
 - Real state sharing: a member downloads another member's state; an intruder asking for it gets nothing, and is
   counted and reported once.
 - Real averaging: two members average together while an intruder in the same round with the right run name asks
-  to join: the members' result is the average of the two alone, bit for bit the same on both (and without the
-  members-only gate, the intruder is in their group: the attack is real).
+  to join: the members' result is the average of the two alone, bit for bit the same on both, and the refused
+  join reaches the region from its round's averager process (without the members-only gate, the intruder is in
+  their group: the attack is real).
 """
 
 from __future__ import annotations
@@ -159,6 +160,10 @@ def test_members_average_together_and_an_intruder_cannot_join_their_group(networ
         if gated:
             assert ra.group_size == rb.group_size == 2, (ra, rb, results["x"])
             assert torch.equal(ra.averaged["w"], torch.full((6, 4), 2.0))
+            # The refusal, in a round's forked averager, reaches the region (the SyncActor makes it an event).
+            refused = averagers["a"].take_rejections() + averagers["b"].take_rejections()
+            assert {peer for peer, _ in refused} == {forger.peer_id.to_base58()}, refused
+            assert {what for _, what in refused} == {"a request to join the group"}
         else:
             assert ra.group_size == rb.group_size == 3 and ra.peer_regions == ["region-a", "region-b", "region-x"]
             assert torch.allclose(ra.averaged["w"], torch.full((6, 4), 1004.0 / 3))

@@ -96,6 +96,7 @@ class SyncActorImpl(Membership, Rounds):
         cfg = self.config
         self.expected_regions = len(cfg.regions)
         self.averager = self.sharer = None
+        self._rejected: set[tuple[str, str]] = set()  # (peer, what) already reported
         self._connected: set[str] = set()  # regions whose peer file we dialled successfully
         self._peers_read = 0.0  # when we last read the peer files
         self._stored: dict = {}  # region -> durable.StoredRecord: the records kept in the run's storage
@@ -119,11 +120,14 @@ class SyncActorImpl(Membership, Rounds):
         self.sharer = StateSharer(self.averager.dht, cfg.run.name, self.region, self._snapshot,
                                   ttl=2 * cfg.outer.matchmaking_seconds + 10, copy_state=False,
                                   schema={name: (tuple(shape), "float32") for name, shape in self.shapes.items()},
-                                  members_only=bool(secret), on_reject=self._peer_rejected)
+                                  members_only=bool(secret),
+                                  on_reject=lambda peer, what: self.peer_rejected(peer.to_base58(), what))
 
-    def _peer_rejected(self, peer, what: str) -> None:
-        """A peer that no signed record of the run names asked us for something (once per peer): counted."""
-        self.record_event("peer_rejected", peer=peer.to_base58(), what=what)
+    def peer_rejected(self, peer: str, what: str) -> None:
+        """A peer that no signed record of the run names asked us for `what`: an event once per peer and kind."""
+        if (peer, what) not in self._rejected:
+            self._rejected.add((peer, what))
+            self.record_event("peer_rejected", peer=peer, what=what)
 
     def _init_round_state(self, record_rounds: bool, evaluator) -> None:
         """Everything the rounds, the workers' exchanges and the summary keep, empty."""

@@ -14,7 +14,7 @@ bytes to its SyncActors.
   in the noise handshake). A peer is a member when a valid record of the run names its ID: each region's state
   record carries its peer ID, and only a secret holder can write one. Matchmaking requests and state downloads are
   answered for members only (`MemberGate`); the all-reduce itself runs within a group only members could join.
-  A refused peer is counted and logged once.
+  A refused peer is counted and logged once; the SyncActor makes it an event (`peer_rejected`).
 
 What this does not stop: a secret holder (trusted, like the bucket's writers: see the README's threat model), a
 replay of a member's still-valid record (it says what the member said), or an outsider flooding a region's port.

@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
+import multiprocessing as mp
 import re
 import threading
 import time
@@ -180,6 +181,8 @@ class RegionAverager:
         if members_key and not secret:
             raise ValueError("members_key without a secret: anyone could write the records that name members")
         self.members_key = members_key
+        # Joins refused by a round's averager (a forked child): (peer, what) through a pipe, read by take_rejections.
+        self._rejections = mp.get_context("fork").SimpleQueue() if members_key else None
         self._lock = threading.Lock()
         # The next round's averager, started after a round (tuple of key, averager, buffers), and its thread.
         self._prepared: tuple | None = None
@@ -194,6 +197,16 @@ class RegionAverager:
             dht = DHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host, port)], start=True,
                       **kwargs)
         self.dht = dht
+
+    def _report_rejection(self, peer, what: str) -> None:  # in the round's averager process
+        self._rejections.put((peer.to_base58(), what))
+
+    def take_rejections(self) -> list[tuple[str, str]]:
+        """(peer, what) of every join refused since the last call, by any round's averager (members-only runs)."""
+        taken = []
+        while self._rejections is not None and not self._rejections.empty():
+            taken.append(self._rejections.get())
+        return taken
 
     def visible_multiaddrs(self) -> list[str]:
         return [str(maddr) for maddr in self.dht.get_visible_maddrs()]
@@ -326,6 +339,7 @@ class RegionAverager:
             # A sender reads our last replies behind the link's backlog: shutting down first would cut it off;
             # a quarter of the round's time, so that the wait itself leaves the round inside averaging_timeout.
             allow_state_sharing=False, served_timeout=0.25 * self.averaging_timeout, members_key=self.members_key,
+            on_reject=self._report_rejection if self._rejections is not None else None,
             shutdown_timeout=2.0,
         )
         try:

@@ -111,6 +111,8 @@ class Rounds:
             result = await self._in_executor(lambda: self.averager.average(
                 delta, weight=float(max(tokens, 1)), round_index=outer_step, expected_regions=expected,
                 checked_finite=True))
+            for peer, what in self.averager.take_rejections():  # joins its averager refused (a secret's run)
+                self.peer_rejected(peer, what)
         except Exception as error:  # the region goes on alone this round rather than dying
             self.record_event("averaging_error", error=repr(error)[:300])
             return own_result(compression, self.region, delta, consistent=False, error=repr(error))
