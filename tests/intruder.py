@@ -112,7 +112,7 @@ def main(config_path: str, report_path: str) -> None:
                               dht=dht, matchmaking_seconds=cfg.outer.matchmaking_seconds,
                               averaging_timeout=cfg.outer.averaging_timeout, compression=cfg.outer.compression)
     report = dict(cycles=0, forged_stores=0, download_attempts=0, downloads_served=0, average_attempts=0,
-                  largest_group=0, average_errors=[], regions_seen=[])
+                  largest_group=0, average_errors=[], regions_seen=[], peer_id=dht.peer_id.to_base58())
     while True:
         forge(dht, key, cfg, report)
         seen = {r: v for r, v in records(dht, key).items() if v.get("peer_id") != dht.peer_id.to_base58()}

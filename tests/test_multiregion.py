@@ -104,7 +104,8 @@ def test_two_regions_of_two_workers_agree_bit_for_bit_and_learn_with_an_intruder
     assert tried["forged_stores"] and tried["download_attempts"] and tried["average_attempts"], tried
     assert tried["downloads_served"] == 0 and tried["largest_group"] <= 1, tried
     rejected = [e for e in summary["events"] if e["event"] == "peer_rejected"]
-    assert rejected and {e["what"] for e in rejected} == {"a state download"}, rejected
+    assert {e["peer"] for e in rejected} == {tried["peer_id"]}, rejected  # the intruder, never a region
+    assert "a state download" in {e["what"] for e in rejected}, rejected  # (a join is refused only if it came)
     assert secret.read_text() not in json.dumps(summary)
     assert_regions_agree_every_round(summary, cfg)
     assert summary["eval_loss"] < summary["eval_loss_at_start"] - 0.5, summary

@@ -93,32 +93,50 @@ def members_named(found) -> set[PeerID]:
     return members
 
 
+async def read_members(dht, members_key: str) -> set[PeerID]:
+    """The peers the run's signed records name now (validated by the DHT's RecordAuthenticator)."""
+    return members_named(await asyncio.wrap_future(dht.get(members_key, latest=True, return_future=True)))
+
+
 class MemberGate:
-    """Whether a peer may be served: a member of the run (a valid state record names it). The members are read
-    from the DHT when an unknown peer asks, at most once per `refresh_seconds` (a region that just joined is
-    admitted at its next request; a stranger costs one DHT read per period, not one per request)."""
+    """Whether a peer may be served: a member of the run (a valid state record names it). `members`: those known
+    already (a round's averager starts with its region's list: the first join of a round waits for no lookup).
+    An unknown peer's request starts a DHT read, at most once per `refresh_seconds`, and every request arriving
+    meanwhile waits for that same read, up to `lookup_seconds` (below Hivemind's join request timeout): a region
+    that just joined is admitted, a stranger costs one read per period, not one per request."""
 
     def __init__(self, dht, members_key: str, region: str, refresh_seconds: float = 1.0,
-                 on_reject: Callable[[PeerID, str], None] | None = None):
+                 on_reject: Callable[[PeerID, str], None] | None = None, members=(),
+                 lookup_seconds: float = 1.5):
         self.dht, self.members_key, self.region = dht, members_key, region
-        self.refresh_seconds = float(refresh_seconds)
+        self.refresh_seconds, self.lookup_seconds = float(refresh_seconds), float(lookup_seconds)
         self.on_reject = on_reject
-        self.members: set[PeerID] = set()
+        self.members: set[PeerID] = set(members)
         self.rejected: Counter[str] = Counter()  # peer (base58) -> refused requests
         self._refreshed = float("-inf")
+        self._lookup: asyncio.Future | None = None  # the DHT read under way, shared by every waiting request
+
+    async def _refresh(self) -> None:
+        try:
+            # Kept, never replaced: a read that missed a record (a node slow to answer) must not turn a member
+            # away, and a region that left still held the secret.
+            self.members |= await read_members(self.dht, self.members_key)
+        except Exception as error:  # noqa: BLE001 — the DHT shutting down: keep what we knew
+            logger.debug("[%s] reading the members failed: %r", self.region, error)
+        finally:
+            self._lookup = None
 
     async def admits(self, peer: PeerID, what: str) -> bool:
         if peer in self.members:
             return True
-        if time.monotonic() - self._refreshed >= self.refresh_seconds:
+        if self._lookup is None and time.monotonic() - self._refreshed >= self.refresh_seconds:
             self._refreshed = time.monotonic()
+            self._lookup = asyncio.ensure_future(self._refresh())
+        if self._lookup is not None:
             try:
-                found = await asyncio.wrap_future(self.dht.get(self.members_key, latest=True, return_future=True))
-                # Kept, never replaced: a read that missed a record (a node slow to answer) must not turn a member
-                # away, and a region that left still held the secret.
-                self.members |= members_named(found)
-            except Exception as error:  # noqa: BLE001 — the DHT shutting down: keep what we knew
-                logger.debug("[%s] reading the members failed: %r", self.region, error)
+                await asyncio.wait_for(asyncio.shield(self._lookup), self.lookup_seconds)
+            except asyncio.TimeoutError:
+                pass
         if peer in self.members:
             return True
         name = peer.to_base58()

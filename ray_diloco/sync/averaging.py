@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind import DHT
 
-from ray_diloco.sync.auth import RecordAuthenticator
+from ray_diloco.sync.auth import RecordAuthenticator, members_named
 from ray_diloco.sync.codecs import CODEC_NAMES, count_nonfinite, get_codec
 from ray_diloco.sync.hivemind_exact import ExactAverager
 from ray_diloco.sync.wire_codecs import make_wire_codec
@@ -92,6 +92,9 @@ def safe_name(text: str) -> str:
     (a hash tag of the original follows the sanitised text)."""
     tag = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
     return f"{re.sub(r'[^A-Za-z0-9_-]', '_', text)[:40]}_{tag}"
+
+
+REPORTED_REJECTIONS = 64  # refused joins a round's averager hands back (~100 bytes each: far below a pipe's buffer)
 
 
 def round_prefix(run_id: str, round_index: int) -> str:
@@ -183,6 +186,7 @@ class RegionAverager:
         self.members_key = members_key
         # Joins refused by a round's averager (a forked child): (peer, what) through a pipe, read by take_rejections.
         self._rejections = mp.get_context("fork").SimpleQueue() if members_key else None
+        self._members: set = set()  # the run's members known so far: each round's averager starts with them
         self._lock = threading.Lock()
         # The next round's averager, started after a round (tuple of key, averager, buffers), and its thread.
         self._prepared: tuple | None = None
@@ -199,7 +203,21 @@ class RegionAverager:
         self.dht = dht
 
     def _report_rejection(self, peer, what: str) -> None:  # in the round's averager process
-        self._rejections.put((peer.to_base58(), what))
+        # Bounded: the parent reads the pipe only after the round, and a full pipe would block the child's loop
+        # (peer IDs cost an outsider nothing to make). MemberGate reports each peer once per round's averager.
+        self._reported = getattr(self, "_reported", 0) + 1
+        if self._reported <= REPORTED_REJECTIONS:
+            self._rejections.put((peer.to_base58(), what))
+
+    def _known_members(self, timeout: float) -> set:
+        """The run's members: those known already and those the signed records name now (a lookup bounded by
+        `timeout`; on failure, those known)."""
+        try:
+            found = self.dht.get(self.members_key, latest=True, return_future=True).result(timeout)
+            self._members |= members_named(found)
+        except Exception as error:  # noqa: BLE001 — the round's gate reads them again when asked
+            logger.info("[%s] reading the run's members failed: %r", self.region, error)
+        return set(self._members)
 
     def take_rejections(self) -> list[tuple[str, str]]:
         """(peer, what) of every join refused since the last call, by any round's averager (members-only runs)."""
@@ -340,6 +358,7 @@ class RegionAverager:
             # a quarter of the round's time, so that the wait itself leaves the round inside averaging_timeout.
             allow_state_sharing=False, served_timeout=0.25 * self.averaging_timeout, members_key=self.members_key,
             on_reject=self._report_rejection if self._rejections is not None else None,
+            members=self._known_members(self.request_timeout) if self.members_key else (),
             shutdown_timeout=2.0,
         )
         try:

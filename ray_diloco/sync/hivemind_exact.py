@@ -309,11 +309,13 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
-                 served_timeout: float = 10.0, members_key: Optional[str] = None, on_reject=None, **kwargs):
+                 served_timeout: float = 10.0, members_key: Optional[str] = None, on_reject=None, members=(),
+                 **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # members_key (a run with a secret): only peers that a valid record under it names may join our group.
         # on_reject(peer, what) runs in the forked child: it must hand the refusal to the parent (a queue).
-        self._gate = MemberGate(dht, members_key, self.prefix, on_reject=on_reject) if members_key else None
+        self._gate = MemberGate(dht, members_key, self.prefix, on_reject=on_reject, members=members,
+                                lookup_seconds=0.5 * kwargs.get("request_timeout", 3.0)) if members_key else None
         names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
         self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
         self.served_timeout = served_timeout
