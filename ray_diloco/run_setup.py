@@ -267,7 +267,8 @@ class PreparedRun:
 
 
 def check_secret(cfg: ExperimentConfig) -> None:
-    """A given secret file must be readable and long enough (the SyncActors read it again when they start)."""
+    """A given secret file must be readable and long enough, before Ray starts (the driver reads it again when it
+    starts its SyncActors)."""
     if cfg.outer.secret_file:
         from ray_diloco.sync.secret import read_secret
 

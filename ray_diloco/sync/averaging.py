@@ -186,6 +186,7 @@ class RegionAverager:
         self.members_key = members_key
         # Joins refused by a round's averager (a forked child): (peer, what) through a pipe, read by take_rejections.
         self._rejections = mp.get_context("fork").SimpleQueue() if members_key else None
+        self._reported = 0  # refusals put on it; counted in each round's child (a forked copy starts at 0)
         self._members: set = set()  # the run's members known so far: each round's averager starts with them
         self._lock = threading.Lock()
         # The next round's averager, started after a round (tuple of key, averager, buffers), and its thread.
@@ -205,7 +206,7 @@ class RegionAverager:
     def _report_rejection(self, peer, what: str) -> None:  # in the round's averager process
         # Bounded: the parent reads the pipe only after the round, and a full pipe would block the child's loop
         # (peer IDs cost an outsider nothing to make). MemberGate reports each peer once per round's averager.
-        self._reported = getattr(self, "_reported", 0) + 1
+        self._reported += 1
         if self._reported <= REPORTED_REJECTIONS:
             self._rejections.put((peer.to_base58(), what))
 
