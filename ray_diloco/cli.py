@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "firewall or NAT forward names it; default outer.port, 0: any)")
     train.add_argument("--announce", help="comma-separated multiaddrs the other regions dial to reach this driver's "
                        "region, e.g. /ip4/203.0.113.7/tcp/31337 (behind NAT: the public address and forwarded port)")
-    train.add_argument("--secret-file", metavar="FILE", help="the run's secret, the same file in every region (create "
-                       "it with `openssl rand -hex 32 > FILE`): only holders of it take part")
+    train.add_argument("--secret-file", metavar="FILE", help="the run's secret (at least 32 bytes), the same file in every "
+                       "region (create it with `openssl rand -hex 32 > FILE`): only holders of it take part")
     train.add_argument("--local-regions", help="comma-separated regions of the config this Ray cluster runs "
                                                "(one cluster per region); default: all")
     train.add_argument("--mode", choices=["diloco", "ddp", "single"],
