@@ -1,7 +1,7 @@
 """Outer-state checkpoints of a region: complete or absent, on local disk or object storage.
 
 A checkpoint is a directory `outer-NNNNNN/` holding `outer_state.pt` (θ_global, outer momentum, outer step,
-the region's data progress and the name of the matching worker checkpoint), the run's `config.yaml`, and
+the region's data progress, the name of the matching worker checkpoint and a compressed method's state), the run's `config.yaml`, and
 last a `COMMITTED` marker. Readers only see directories with the marker, so a process killed while writing
 leaves the previous checkpoint the latest — on a local disk (data fsync'd before the marker) and on S3/GCS
 (an object becomes visible only once its upload completes) alike, through the same `pyarrow.fs` code.
@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -43,6 +43,9 @@ class OuterCheckpoint:
     worker_checkpoint: str | None = None
     tokens: int = 0  # trained by the region so far
     config_yaml: str = ""
+    # A compressed outer method's state of this region (error feedback / momentum, ray_diloco.methods): its own,
+    # not shared with the other regions; empty for DiLoCo.
+    method_state: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class CheckpointStore:
@@ -78,7 +81,7 @@ class CheckpointStore:
         self.fs.create_dir(directory, recursive=True)
         state = {"outer_step": checkpoint.outer_step, "theta": checkpoint.theta, "momentum": checkpoint.momentum,
                  "progress": checkpoint.progress, "worker_checkpoint": checkpoint.worker_checkpoint,
-                 "tokens": checkpoint.tokens}
+                 "tokens": checkpoint.tokens, "method_state": checkpoint.method_state}
         self._write(join(directory, STATE_FILE), lambda handle: torch.save(state, handle))
         self._write(join(directory, CONFIG_FILE), lambda handle: handle.write(checkpoint.config_yaml.encode()))
         marker = json.dumps({"outer_step": checkpoint.outer_step}).encode()
@@ -128,4 +131,5 @@ def load_outer_checkpoint(location: str) -> OuterCheckpoint:
         config_yaml = handle.read().decode()
     return OuterCheckpoint(outer_step=state["outer_step"], theta=state["theta"], momentum=state["momentum"],
                            progress=state["progress"], worker_checkpoint=state["worker_checkpoint"],
-                           tokens=state["tokens"], config_yaml=config_yaml)
+                           tokens=state["tokens"], config_yaml=config_yaml,
+                           method_state=state.get("method_state", {}))  # absent before compressed methods

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from ray_diloco.methods.settings import COMPRESSED, COMPRESSED_LR, METHODS
 from ray_diloco.sync.codecs import CODEC_NAMES
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, fresh_run_name
 from ray_diloco.presets import DEFAULT_PRESET, PRESETS, get_preset
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--inner-steps", type=int, metavar="H", help="inner steps between outer steps")
     train.add_argument("--outer-steps", type=int, metavar="T")
     train.add_argument("--compression", choices=CODEC_NAMES, help="pseudo-gradient codec on the wire")
+    train.add_argument("--outer-method", choices=METHODS,
+                       help="what a round sends: diloco (the whole Δ), sparseloco or dct (a few bits per parameter; "
+                            "sets outer momentum 0 and the papers' outer lr 1.0 unless --outer-lr is given)")
+    train.add_argument("--outer-lr", type=float, metavar="LR", help="the outer learning rate")
+    train.add_argument("--topk", type=int, metavar="K", help="values sent per chunk by sparseloco / dct")
     train.add_argument("--data", metavar="PATH_OR_GLOB", help="training files in the C4 json.gz layout")
     train.add_argument("--eval-data", metavar="PATH_OR_GLOB", help="held-out files for evaluation")
     train.add_argument("--output-dir", metavar="DIR", help="results go to DIR/<run-name>/ (a directory or an s3://, "
@@ -178,6 +184,24 @@ def _check_flag(args: argparse.Namespace, flag: str, minimum: int) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}: must be >= {minimum}, got {value}")
 
 
+def _outer_method_flags(outer, args: argparse.Namespace):
+    """--outer-method with what the method needs (a compressed one: plain SGD at its papers' lr), --outer-lr,
+    --topk."""
+    replace = dataclasses.replace
+    if args.outer_lr is not None and not args.outer_lr > 0:
+        raise ConfigError(f"--outer-lr: must be > 0, got {args.outer_lr}")
+    _check_flag(args, "topk", 1)
+    if args.outer_method in COMPRESSED:
+        outer = replace(outer, method=args.outer_method, momentum=0.0, nesterov=False, lr=COMPRESSED_LR)
+    elif args.outer_method is not None:
+        outer = replace(outer, method=args.outer_method)
+    if args.outer_lr is not None:
+        outer = replace(outer, lr=args.outer_lr)
+    if args.topk is not None:
+        outer = replace(outer, topk=args.topk)
+    return outer
+
+
 def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentConfig:
     replace = dataclasses.replace
     # Checked here, so an error names the flag the user typed (0 is a value, not "not given").
@@ -195,6 +219,7 @@ def apply_flags(cfg: ExperimentConfig, args: argparse.Namespace) -> ExperimentCo
         outer = replace(outer, inner_steps=args.inner_steps)
     if args.compression is not None:
         outer = replace(outer, compression=args.compression)
+    outer = _outer_method_flags(outer, args)
     if args.initial_peers is not None:
         outer = replace(outer, initial_peers=[p.strip() for p in args.initial_peers.split(",") if p.strip()])
     if args.secret_file is not None:

@@ -11,22 +11,15 @@ import os
 import re
 import secrets
 import time
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from ray_diloco import config_fields
+from ray_diloco.config_fields import build_section, require as _require
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
-
-
-def _require(condition: bool, field_name: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(f"{field_name}: {message}")
-
+ConfigError = config_fields.ConfigError  # part of this module's interface: callers catch config.ConfigError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 MODES = ("diloco", "ddp", "single")
@@ -193,6 +186,20 @@ class OuterConfig:
     sync_actor_cpus: float = 0.5
     """CPUs the Ray scheduler reserves for each region's SyncActor: it mostly waits on the network, and
     runs the outer step (a few fp32 passes over the model) once per round."""
+    method: str = "diloco"
+    """What a round sends. 'diloco': the whole Δ through `compression`, averaged, Nesterov SGD. 'sparseloco': the
+    top-k of an error-feedback buffer per chunk at `quantization_bits` bits (arXiv 2508.15706); 'dct': the top-k
+    DCT coefficients of a momentum per chunk (arXiv 2510.03371 / DeMo). Both compressed methods exchange payloads
+    (all-gather) and take a plain SGD step: set momentum 0, nesterov false, and lr (their papers: 1.0);
+    `--outer-method` does that. See ray_diloco.methods.compressors."""
+    chunk_size: int = 0
+    """Values per chunk that top-k selects in (0: the method's, sparseloco 4096, dct 64)."""
+    topk: int = 0
+    """Values (or DCT coefficients) sent per chunk (0: the method's, sparseloco 128 = 3.1 %, dct 2)."""
+    quantization_bits: int = 2
+    """Bits of each value sparseloco sends (1, 2, 4 or 8)."""
+    error_decay: float = 0.95
+    """β: sparseloco's error feedback e ← β·e + Δ; dct's momentum m ← β·m + Δ."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "outer.lr", f"must be > 0, got {self.lr}")
@@ -210,12 +217,29 @@ class OuterConfig:
         _require(0 <= self.port <= 65535, "outer.port", f"must be a TCP port (0: any free one), got {self.port}")
         _require(self.state_download_mbps > 0, "outer.state_download_mbps", "must be > 0 (Mbit/s)")
         _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")
+        self._check_method()
         _require(
             self.averaging_timeout > self.matchmaking_seconds,
             "outer.averaging_timeout",
             "must exceed outer.matchmaking_seconds (the round needs time after matchmaking)",
         )
 
+    def _check_method(self) -> None:
+        from ray_diloco.methods.settings import DEFAULTS, METHODS, MethodSettings
+
+        _require(self.method in METHODS, "outer.method", f"must be one of {METHODS}, got {self.method!r}")
+        _require(self.chunk_size >= 0 and self.topk >= 0, "outer.chunk_size",
+                 "chunk_size and topk must be >= 0 (0: the method's default)")
+        _require(self.quantization_bits in (1, 2, 4, 8), "outer.quantization_bits", "must be 1, 2, 4 or 8")
+        _require(0 <= self.error_decay < 1, "outer.error_decay", f"must lie in [0, 1), got {self.error_decay}")
+        if self.method in DEFAULTS:
+            _require(self.momentum == 0 and not self.nesterov, "outer.momentum",
+                     f"{self.method} takes a plain SGD step (its error feedback replaces the outer momentum): set "
+                     "outer.momentum 0 and outer.nesterov false, or pass --outer-method, which does")
+            chosen = MethodSettings.of(self)
+            _require(1 <= chosen.topk <= chosen.chunk_size <= 65536, "outer.topk",
+                     f"must lie in [1, chunk_size={chosen.chunk_size}] (chunks of at most 65536 values), "
+                     f"got {chosen.topk}")
 
 _WORKER_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 
@@ -440,46 +464,12 @@ class ExperimentConfig:
         kwargs: dict[str, Any] = {}
         for key, section_cls in sections.items():
             if key in raw:
-                kwargs[key] = _build_section(section_cls, raw[key], key)
+                kwargs[key] = build_section(section_cls, raw[key], key)
         if "regions" in raw:
             _require(isinstance(raw["regions"], list), "regions", "must be a list of {name, workers}")
-            kwargs["regions"] = [_build_section(RegionConfig, r, "regions[]") for r in raw["regions"]]
+            kwargs["regions"] = [build_section(RegionConfig, r, "regions[]") for r in raw["regions"]]
         return cls(**kwargs)
 
     @classmethod
     def from_yaml(cls, text: str) -> "ExperimentConfig":
         return cls.from_dict(yaml.safe_load(text) or {})
-
-
-def _build_section(section_cls: type, raw: Any, prefix: str) -> Any:
-    _require(isinstance(raw, dict), prefix, f"must be a mapping, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(section_cls)}
-    unknown = set(raw) - known
-    _require(not unknown, prefix, f"unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
-    hints = typing.get_type_hints(section_cls)
-    values = {name: _check_type(value, hints[name], f"{prefix}.{name}") for name, value in raw.items()}
-    try:
-        return section_cls(**values)
-    except TypeError as error:  # e.g. a missing required field such as regions[].name
-        raise ConfigError(f"{prefix}: {error}") from error
-
-
-def _check_type(value: Any, hint: Any, field_name: str) -> Any:
-    """Check a YAML value against a field's annotation (int, float, str, bool, lists, optionals)."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        if option is bool and isinstance(value, bool):
-            return value
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if option is str and isinstance(value, str):
-            return value
-        if typing.get_origin(option) is list and isinstance(value, list):
-            (element,) = typing.get_args(option)
-            return [_check_type(item, element, f"{field_name}[{i}]") for i, item in enumerate(value)]
-    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options)
-    raise ConfigError(f"{field_name}: expected {wanted}, got {value!r} ({type(value).__name__})")

@@ -61,6 +61,8 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "bytes_sent": ("counter", "Bytes this region sent to other regions (Hivemind wire)", _REGION),
     "bytes_received": ("counter", "Bytes this region received from other regions (Hivemind wire)", _REGION),
     "round_regions": ("gauge", "Regions in this region's last outer round", _REGION),
+    "bits_per_parameter": ("gauge", "Bits this region sent per model parameter in its last outer round (Hivemind "
+                           "wire; outer.method sets how few)", _REGION),
     "events": ("counter", "Membership and fault events (sync_actor_started, worker_restart, resync, "
                "region_joined, region_departed, ...)", _REGION + ("event",)),
     # Evaluator and driver.
@@ -164,9 +166,12 @@ ROUND_PHASES = ("wait_for_shards", "wait_for_peers", "all_reduce", "apply")
 
 
 def record_round(run: str, region: str, outer_step: int, group_size: int, phases: dict[str, float],
-                 bytes_sent: int, bytes_received: int, connected_peers: int | None = None) -> None:
+                 bytes_sent: int, bytes_received: int, connected_peers: int | None = None,
+                 parameters: int | None = None) -> None:
     """One outer round of a region's SyncActor (`outer_step`: the step reached; `phases`: seconds by
-    ROUND_PHASES)."""
+    ROUND_PHASES; `parameters`: the model's, for bits per parameter)."""
+    if parameters:
+        _set("bits_per_parameter", 8 * bytes_sent / parameters, run=run, region=region)
     _set("outer_step", outer_step, run=run, region=region)
     _set("round_regions", group_size, run=run, region=region)
     for phase in ROUND_PHASES:

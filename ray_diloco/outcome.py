@@ -120,6 +120,17 @@ def agreement(stats: list[dict], exported: str, elsewhere: dict[str, str] | None
     }
 
 
+def bits_per_parameter(stats: list[dict], parameters: int) -> dict[str, float | None]:
+    """By region: bits sent on the wire per model parameter, averaged over its rounds with other regions (a round
+    alone sends nothing); None for a region that had none (or a baseline)."""
+    by_region = {}
+    for s in stats:
+        shared = [r for r in s.get("rounds", []) if r.get("group_size", 0) > 1]
+        sent = sum(r.get("bytes_sent", 0) for r in shared)
+        by_region[s["region"]] = round(8 * sent / (len(shared) * parameters), 4) if shared and parameters else None
+    return by_region
+
+
 def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: TrainingOutcome, eval_start: float,
                   eval_loss: float, eval_ppl: float, wall: float, num_params: int) -> dict[str, Any]:
     stats, workers = outcome.stats, outcome.worker_results
@@ -131,12 +142,14 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
         "inner_steps": cfg.outer.inner_steps,
         "outer_steps": cfg.run.outer_steps,
         "compression": cfg.outer.compression if cfg.run.mode == "diloco" else "none",
+        "outer_method": cfg.outer.method if cfg.run.mode == "diloco" else "none",
         "tokens": sum(s["tokens"] for s in stats),
         "eval_loss_at_start": eval_start,
         "eval_loss": eval_loss,
         "eval_perplexity": eval_ppl,
         "comm_bytes_sent": {s["region"]: s["bytes_sent"] for s in stats},
         "comm_bytes_received": {s["region"]: s["bytes_received"] for s in stats},
+        "bits_per_parameter_per_round": bits_per_parameter(stats, num_params),
         "comm_bytes_how": "measured on the Hivemind wire" if cfg.run.mode == "diloco"
         else "computed from collective sizes (one fp32 ring all-reduce of gradients per step)",
         "sync_seconds": {s["region"]: round(s["sync_seconds"], 3) for s in stats},

@@ -97,7 +97,7 @@ def _record_everything():
     metrics.record_inner_step("names", "r0", 0, 0.5, 1000, 1e6, 1e11, loss=5.0, lr=1e-3)
     metrics.record_compute_utilization("names", "r0", 0, 0.9)
     metrics.record_round("names", "r0", 1, 2, {"wait_for_shards": 0.1, "wait_for_peers": 0.5, "all_reduce": 0.2,
-                                               "apply": 0.3}, 100, 200, connected_peers=1)
+                                               "apply": 0.3}, 100, 200, connected_peers=1, parameters=1000)
     metrics.record_region_workers("names", "r0", 2)
     metrics.record_checkpoint("names", "r0", outer_step=1, seconds=0.7)
     metrics.record_outer_step("names", "r0", 1)

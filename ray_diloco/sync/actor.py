@@ -51,6 +51,7 @@ from ray_diloco.sharding import assemble, from_wire, rows_for_rank, to_wire
 from ray_diloco.sync.averaging import RegionAverager
 from ray_diloco.sync.bounded import LISTING_SECONDS, BoundedCalls
 from ray_diloco.sync.codecs import count_nonfinite
+from ray_diloco.sync.compressed import CompressedRounds
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
 from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
@@ -59,7 +60,7 @@ from ray_diloco.sync.rounds import PendingRound, Rounds
 logger = logging.getLogger(__name__)
 
 
-class SyncActorImpl(Membership, Rounds):
+class SyncActorImpl(Membership, Rounds, CompressedRounds):
     """Plain class (tested directly); `SyncActor` below is its Ray actor form. Publishing, reading and acting on
     the regions' records is in `Membership` (membership.py)."""
 
@@ -79,6 +80,7 @@ class SyncActorImpl(Membership, Rounds):
                                     nesterov=cfg.outer.nesterov)
         self._init_round_state(record_rounds, evaluator)
         self._start_hivemind(list(initial_peers or cfg.outer.initial_peers), secret)
+        self._start_compressor()
         if resume_step is not None:
             self._resume_from_checkpoint(resume_step)
         if self.sharer is not None:
@@ -225,6 +227,8 @@ class SyncActorImpl(Membership, Rounds):
             raise ValueError(f"{self.store.location(step)} holds per-worker data positions (written by a version "
                              "before region-level positions): continue it with that version, or start a new run")
         self._set_state(checkpoint.outer_step, checkpoint.theta, checkpoint.momentum)
+        if self.compressor is not None:  # the region's own error feedback / momentum, exactly as it was
+            self.compressor.load_state_dict(checkpoint.method_state)
         self.progress, self.tokens = checkpoint.progress, checkpoint.tokens
         self.committed = (checkpoint.outer_step, checkpoint.worker_checkpoint)
         self.record_event("resumed", checkpoint=self.store.location(checkpoint.outer_step), digest=self._digest)
@@ -271,9 +275,10 @@ class SyncActorImpl(Membership, Rounds):
             raise RuntimeError(f"[{self.region}] commit of outer step {outer_step}, but the outer state is at "
                                f"step {self.outer.step_count}")
         (step, theta, momentum), digest = self._snapshot(), self._digest  # no await between: one state
+        method_state = self.compressor.state_dict() if self.compressor is not None else {}
         checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=self.progress,
                                      worker_checkpoint=worker_checkpoint, tokens=self.tokens,
-                                     config_yaml=self.config.to_yaml())
+                                     config_yaml=self.config.to_yaml(), method_state=method_state)
         # Off the event loop: other regions' calls (state sharing) go on while the files are written. Bounded by
         # the state's size at the slowest link the run allows: a hung bucket costs this checkpoint (the region
         # goes on; the last committed one stays the latest), never the group.
@@ -445,6 +450,7 @@ class SyncActorImpl(Membership, Rounds):
         return new_global
 
     def shutdown(self) -> None:
+        self._stop_compressor()
         if self.sharer is not None:
             self.sharer.shutdown()
             self.sharer = None

@@ -62,6 +62,10 @@ class RoundResult:
     consistent: bool  # False if a region dropped mid-round (reducer or sender) or the all-reduce failed
     error: str | None = None  # why the round failed (then `averaged` is the own Δ through the codec)
     timings: dict[str, float] = field(default_factory=dict)  # startup, step (= matchmaking + allreduce), shutdown
+    # (peer id base58, its gathered metadata) of every member of the group, as the leader handed them to all of
+    # them (the same list on every member); empty for a round alone. A peer's metadata is unchecked.
+    members: list[tuple[str, dict]] = field(default_factory=list)
+    payload_bytes: int = 0  # a compressed method's round: the size of this region's payload (methods/)
 
     @property
     def digest(self) -> str:
@@ -193,6 +197,7 @@ class RegionAverager:
         self._prepared: tuple | None = None
         self._preparing: threading.Thread | None = None
         self._closed = False  # shut down: nothing more is prepared
+        self._next_key: tuple | None = None  # the key of the round after the last one (prepare_next_round)
         self._prepared_lock = threading.Lock()  # _prepared: set by the preparing thread, taken by rounds
         self._owns_dht = dht is None
         if dht is None:
@@ -241,10 +246,13 @@ class RegionAverager:
         return own_result(self.compression, self.region, tensors, seconds=time.monotonic() - start, **kwargs)
 
     def average(self, tensors: dict[str, torch.Tensor], weight: float, round_index: int,
-                expected_regions: int | None = None, checked_finite: bool = False) -> RoundResult:
+                expected_regions: int | None = None, checked_finite: bool = False,
+                gather: dict | None = None, prepare_next: bool = True) -> RoundResult:
         """Weighted average of `tensors` with the regions that call this for the same run and round.
         `expected_regions`: the group this round waits for (default: the one given at construction);
-        `checked_finite`: the caller already counted non-finite values (the check is a pass over the model)."""
+        `checked_finite`: the caller already counted non-finite values (the check is a pass over the model);
+        `gather`: more metadata handed to every member with the group (RoundResult.members); `prepare_next`: False
+        leaves starting the next round's averager to the caller (`prepare_next_round`)."""
         start = time.monotonic()
         deadline = start + self.averaging_timeout
         expected = expected_regions or self.expected_regions
@@ -264,7 +272,8 @@ class RegionAverager:
             timings: dict[str, float] = {}
             key = (round_index, expected, tuple((n, tuple(t.shape)) for n, t in zip(names, flat)))
             try:
-                outcome, buffers = self._step(key, flat, weight, round_index, deadline, start, timings)
+                outcome, buffers = self._step(key, flat, weight, round_index, deadline, start, timings, gather,
+                                              prepare_next)
             except _NoGroup:  # nothing of ours went into anybody's average: consistent, alone
                 return self._own_result(tensors, start, timings=timings)
             except _FailedMidRound as failed:
@@ -272,7 +281,8 @@ class RegionAverager:
         return self._result(outcome, names, tensors, buffers, round_index, start, timings)
 
     def _step(self, key: tuple, flat: list[torch.Tensor], weight: float, round_index: int, deadline: float,
-              start: float, timings: dict) -> tuple[dict, list[torch.Tensor]]:
+              start: float, timings: dict, gather: dict | None = None,
+              prepare_next: bool = True) -> tuple[dict, list[torch.Tensor]]:
         """One averaging step in this round's averager process; the next round's averager starts after it.
         Raises _NoGroup (no group formed) or _FailedMidRound (the all-reduce began and broke)."""
         averager = control = None
@@ -283,7 +293,7 @@ class RegionAverager:
             timings["startup"] = time.monotonic() - start
             # A leader starts when its group is full, else at matchmaking_seconds with those there.
             control = averager.start_step(
-                gather=dict(region=self.region, round=int(round_index), compression=self.compression),
+                gather=dict(gather or {}, region=self.region, round=int(round_index), compression=self.compression),
                 weight=float(weight), timeout=self.matchmaking_seconds + 1.0,
                 init_timeout=max(0.1, deadline - time.monotonic()),
             )
@@ -307,10 +317,17 @@ class RegionAverager:
                 t_down = time.monotonic()
                 averager.shutdown()
                 timings["shutdown"] = time.monotonic() - t_down
-            if not self._closed:  # the next round's averager starts now, off the critical path of that round
-                next_key = (round_index + 1, *key[1:])
-                self._preparing = threading.Thread(target=self._prepare, args=(next_key,), daemon=True)
-                self._preparing.start()
+            self._next_key = (round_index + 1, *key[1:])
+            if prepare_next:  # the next round's averager starts now, off the critical path of that round
+                self.prepare_next_round()
+
+    def prepare_next_round(self) -> None:
+        """Start the averager of the round after the last one, in a thread. It is a forked process: a stream this
+        process has open while it forks is held open by the child too (its copy of the socket), so its peer never
+        sees the end of it; a caller that still serves or fetches over p2p after `average` calls this after."""
+        if not self._closed and self._next_key is not None:
+            self._preparing = threading.Thread(target=self._prepare, args=(self._next_key,), daemon=True)
+            self._preparing.start()
 
     def _result(self, outcome: dict, names: list[str], tensors: dict[str, torch.Tensor],
                 buffers: list[torch.Tensor], round_index: int, start: float, timings: dict) -> RoundResult:
@@ -340,6 +357,7 @@ class RegionAverager:
             consistent=consistent,
             error=error,
             timings=timings,
+            members=[(str(peer), data) for peer, data in outcome["gathered"]],
         )
 
     def _start_averager(self, key: tuple, deadline: float) -> tuple[ExactAverager, list[torch.Tensor]]:

@@ -230,6 +230,8 @@ class Membership:
         with self._state_lock:
             self._check_current(generation)
             self.outer, self._digest = outer, digest
+            if self.compressor is not None:  # another θ_global: what we owed on the old one is void (compressed.py)
+                self.compressor.state = {}
         metrics.safely(metrics.record_outer_step, self.config.run.name, self.region, step)
 
     def _join_if_behind(self) -> None:

@@ -104,6 +104,8 @@ class Rounds:
     async def _average(self, delta: dict[str, torch.Tensor], tokens: int, outer_step: int, expected: int):
         """Δ averaged with the group of `expected` regions (alone: own Δ through the same codec rounding, so the
         result matches a multi-region run); an averaging error costs this round, not the region."""
+        if self.compressor is not None:  # sparseloco, dct: payloads all-gathered (compressed.py)
+            return await self._in_executor(self._average_compressed, delta, tokens, outer_step, expected)
         compression = self.config.outer.compression
         if self.averager is None:
             return own_result(compression, self.region, delta)
@@ -131,6 +133,8 @@ class Rounds:
         record = {"outer_step": outer_step, "tokens": tokens, "group_size": result.group_size,
                   "peers": list(result.peer_regions), "bytes_sent": result.bytes_sent,
                   "bytes_received": result.bytes_received, "consistent": result.consistent}
+        if result.payload_bytes:  # a compressed method: what this region's payload costs, per parameter
+            record["payload_bytes"] = result.payload_bytes
         if wire:
             record["average_seconds"] = round(result.seconds, 3)
             self.bytes_sent += result.bytes_sent
@@ -146,7 +150,7 @@ class Rounds:
         metrics.safely(metrics.record_round, self.config.run.name, self.region, self.outer.step_count,
                        record["group_size"], phases, record["bytes_sent"] if wire else 0,
                        record["bytes_received"] if wire else 0,
-                       connected_peers)
+                       connected_peers, sum(shape.numel() for shape in self.shapes.values()))
         if self.record_rounds:
             self.recorded.append({"local": local, "delta": delta, "tokens": tokens,
                                   "global_after": {k: v.clone() for k, v in new_global.items()}})

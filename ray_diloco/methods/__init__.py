@@ -1,0 +1,1 @@
+"""Outer methods that send fewer bits per round than dense DiLoCo (compressors.py), and their parts."""

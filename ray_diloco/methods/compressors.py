@@ -1,0 +1,164 @@
+"""The compressed outer methods: what a region sends each round, its own state, and the decode every region
+computes bit for bit alike.
+
+* `sparseloco` (SparseLoCo, arXiv 2508.15706, Algorithm 1 and its code): the region keeps an error-feedback
+  buffer e. Each round e ← β·e + Δ; it sends the top-k |e| of every chunk, their values quantized to `bits`
+  bits (`quantize.py`); e ← e − (what was sent, dequantized). The outer step is plain SGD (the paper's α = 1, no
+  momentum: the error feedback takes its place).
+* `dct` (decoupled momentum, arXiv 2510.03371, built as DeMo (arXiv 2411.19870) applied to DiLoCo's
+  pseudo-gradient — the form SparseLoCo's code runs as its `demo_diloco` baseline): the region keeps a momentum
+  m. Each round m ← β·m + Δ; it sends the k largest DCT coefficients of every chunk of m (the fast-moving
+  components: DeMo selects by magnitude), as fp16 with one power-of-two scale per tensor; m ← m − IDCT(sent).
+  The outer step is plain SGD on the decoded mean (no sign: DeMo's sign step is for its per-step form).
+
+The aggregate is the token-weighted mean Σ wᵢ·sentᵢ / Σ wᵢ (the paper's (1/R)·Σ for equal tokens; SparseLoCo's
+code averages each coordinate over the regions that chose it instead: that scales a coordinate one region alone
+sent by R, which the paper's equation does not). It is summed in the order given (sorted regions), each product
+and each sum rounded once, and decoded with `dct.inverse_exact`: the same bits on every CPU.
+
+A payload has one layout, fixed by the model's parameters and the settings: a receiver knows its exact size
+before reading it, and `decode_payload` checks every field (indices in range and strictly increasing per chunk,
+finite tables and scales) before a value is used.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ray_diloco.methods import dct
+from ray_diloco.methods.chunks import chunk_count, from_chunks, scatter_chunks, to_chunks, top_k_per_chunk
+from ray_diloco.methods.quantize import dequantize, pack_codes, quantize, unpack_codes
+from ray_diloco.methods.settings import COMPRESSED, MethodSettings
+from ray_diloco.sync.codecs import power_of_two_scale
+
+MAGIC = b"RDM1"
+_METHOD_CODE = {"sparseloco": 1, "dct": 2}
+
+
+class Compressor:
+    """One region's side of a compressed method: its state (error feedback or momentum) and its payloads."""
+
+    def __init__(self, settings: MethodSettings, shapes: Mapping[str, Sequence[int]]):
+        if settings.name not in COMPRESSED:
+            raise ValueError(f"not a compressed method: {settings.name!r}; one of {COMPRESSED}")
+        if not 1 <= settings.topk <= settings.chunk_size <= 65536:
+            raise ValueError(f"need 1 <= topk <= chunk_size <= 65536, got {settings.topk} and {settings.chunk_size}")
+        self.settings = settings
+        self.shapes = {name: torch.Size(shape) for name, shape in sorted(shapes.items())}
+        self.state: dict[str, torch.Tensor] = {}  # absent: zero (a fresh, joining or re-synced region)
+        # An index within a chunk: one byte where the chunk allows (DCT chunks of 64), else two.
+        self._index_dtype = "u1" if settings.chunk_size <= 256 else "<u2"
+        self._index_bytes = np.dtype(self._index_dtype).itemsize
+
+    # -- sending ---------------------------------------------------------------------------------------
+    def compress(self, delta: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """(payload, what it carries decoded, by name) for this round's Δ; the state moves on."""
+        s = self.settings
+        parts, sent = [MAGIC, bytes([_METHOD_CODE[s.name], s.bits])], {}
+        for name, shape in self.shapes.items():
+            chunks = to_chunks(delta[name], s.chunk_size)
+            previous = self.state.get(name)
+            buffer = chunks if previous is None else torch.add(torch.mul(previous, s.decay), chunks)
+            signal = dct.forward(buffer) if s.name == "dct" else buffer
+            indices = top_k_per_chunk(signal, s.topk)
+            chosen = torch.gather(signal, 1, indices)
+            encoded, values = self._encode_values(chosen)
+            sent_chunks = scatter_chunks(indices, values, s.chunk_size)
+            if s.name == "dct":
+                sent_chunks = dct.inverse(sent_chunks)  # local: only this region subtracts it
+            self.state[name] = torch.sub(buffer, sent_chunks)
+            sent[name] = from_chunks(sent_chunks, shape)
+            parts += [indices.numpy().astype(self._index_dtype).tobytes(), encoded]
+        return b"".join(parts), sent
+
+    def _encode_values(self, chosen: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """The selected values' bytes and what a receiver decodes them to."""
+        if self.settings.name == "sparseloco":
+            codes, table = quantize(chosen, self.settings.bits)
+            return table.numpy().astype("<f4").tobytes() + pack_codes(codes, self.settings.bits), dequantize(codes, table)
+        scale = power_of_two_scale(chosen)  # fp16 of x·2^k: no overflow, no subnormals (codecs.py)
+        half = torch.mul(chosen, scale).half()
+        return struct.pack("<f", scale) + half.numpy().astype("<f2").tobytes(), torch.div(half.float(), scale)
+
+    # -- receiving -------------------------------------------------------------------------------------
+    def payload_bytes(self) -> int:
+        """The exact size of every payload of these settings and this model."""
+        s, total = self.settings, len(MAGIC) + 2
+        for shape in self.shapes.values():
+            selected = chunk_count(shape.numel(), s.chunk_size) * s.topk
+            values = 4 * 2 ** s.bits + -(-selected * s.bits // 8) if s.name == "sparseloco" else 4 + 2 * selected
+            total += self._index_bytes * selected + values
+        return total
+
+    def decode_payload(self, payload: bytes) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """name -> (indices (chunks, k), values (chunks, k) fp32) of a payload from anyone; raises ValueError on any
+        field out of bounds. Values are DCT coefficients for 'dct'."""
+        s = self.settings
+        if len(payload) != self.payload_bytes():
+            raise ValueError(f"payload of {len(payload)} bytes, expected {self.payload_bytes()}")
+        if payload[:6] != MAGIC + bytes([_METHOD_CODE[s.name], s.bits]):
+            raise ValueError("payload of another method, version or bit width")
+        offset, decoded = 6, {}
+        for name, shape in self.shapes.items():
+            chunks = chunk_count(shape.numel(), s.chunk_size)
+            count = chunks * s.topk
+            raw = np.frombuffer(payload, dtype=self._index_dtype, count=count, offset=offset)
+            indices = torch.from_numpy(raw.astype(np.int64)).view(chunks, s.topk)
+            offset += self._index_bytes * count
+            if bool((indices >= s.chunk_size).any()) or bool((indices[:, 1:] <= indices[:, :-1]).any()):
+                raise ValueError(f"{name}: indices out of range or not strictly increasing within a chunk")
+            values, offset = self._decode_values(payload, offset, count, name)
+            decoded[name] = (indices, values.view(chunks, s.topk))
+        return decoded
+
+    def _decode_values(self, payload: bytes, offset: int, count: int, name: str) -> tuple[torch.Tensor, int]:
+        s = self.settings
+        if s.name == "sparseloco":
+            table = torch.from_numpy(np.frombuffer(payload, dtype="<f4", count=2 ** s.bits, offset=offset).copy())
+            offset += 4 * 2 ** s.bits
+            length = -(-count * s.bits // 8)
+            codes = unpack_codes(payload[offset:offset + length], count, s.bits)
+            if not bool(torch.isfinite(table).all()):
+                raise ValueError(f"{name}: non-finite quantization table")
+            return dequantize(codes, table), offset + length
+        (scale,) = struct.unpack_from("<f", payload, offset)
+        half = torch.from_numpy(np.frombuffer(payload, dtype="<f2", count=count, offset=offset + 4).copy())
+        if not (np.isfinite(scale) and scale > 0) or not bool(torch.isfinite(half).all()):
+            raise ValueError(f"{name}: non-finite or non-positive scale, or non-finite values")
+        return torch.div(half.float(), scale), offset + 4 + 2 * count
+
+    def aggregate(self, weighted: Sequence[tuple[float, bytes]]) -> dict[str, torch.Tensor]:
+        """Σ wᵢ·decode(payloadᵢ) / Σ wᵢ by name, summed in the order given, every operation rounded once."""
+        if not weighted or any(not w > 0 for w, _ in weighted):
+            raise ValueError("need at least one payload, each with a positive weight (tokens)")
+        total = float(sum(w for w, _ in weighted))
+        decoded = [(w / total, self.decode_payload(payload)) for w, payload in weighted]  # all checked first
+        averaged = {}
+        for name, shape in self.shapes.items():
+            acc = torch.zeros(chunk_count(shape.numel(), self.settings.chunk_size), self.settings.chunk_size)
+            for share, parts in decoded:
+                indices, values = parts[name]
+                acc = torch.add(acc, torch.mul(scatter_chunks(indices, values, self.settings.chunk_size), share))
+            if self.settings.name == "dct":
+                acc = dct.inverse_exact(acc)
+            averaged[name] = from_chunks(acc, shape)
+        return averaged
+
+    # -- state (part of the region's checkpoint) ----------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self.state.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in state.items():
+            rows = chunk_count(self.shapes[name].numel(), self.settings.chunk_size) if name in self.shapes else -1
+            if tuple(tensor.shape) != (rows, self.settings.chunk_size):
+                raise ValueError(f"compressor state of {name!r}: shape {tuple(tensor.shape)} does not fit the model")
+        self.state = {name: t.float().clone() for name, t in state.items()}
+
+    def bits_per_parameter(self) -> float:
+        """Bits a region sends per model parameter per round (its payload; the wire adds framing)."""
+        return 8.0 * self.payload_bytes() / sum(shape.numel() for shape in self.shapes.values())
