@@ -1,0 +1,263 @@
+"""Which outer method reaches the lowest held-out loss for the bytes it sends: a grid of arms, long enough to rank.
+
+    python benchmarks/convergence.py                          # the whole grid: many hours on 2 CPU cores
+    python benchmarks/convergence.py --arms 'ddp,single,*-h50' --steps 2000
+    python benchmarks/convergence.py --write-docs             # the table and plots into docs/ as well
+
+Every arm is one `ray-diloco train` process (the CLI, as a user runs it) from scratch on the tiny-cpu model, with
+the same data, seed and inner AdamW, and the same number of inner steps (so the same tokens) per worker:
+
+* `ddp` (`--workers` workers, a gradient all-reduce every step) and `single` (one worker);
+* `diloco-m{1,2,4}-{fp32,sfp16}-h{H}`: M regions of one worker, dense DiLoCo, fp32 or scaled-fp16 on the wire;
+* `sparseloco-{1,3}pct-h{H}`: SparseLoCo, top 41 or 128 of every 4096 values at 2 bits, M = `--workers`;
+* `dct-k{2,4}-h{H}`: the decoupled-momentum DCT method, top 2 or 4 of every 64 coefficients, M = `--workers`;
+* `*-s{seed}`: the headline arms again with the next seed.
+
+Arms run in the order above, headline arms first, so a grid stopped early still compares the methods. It resumes:
+an arm with a summary.json is done and read back; an arm that was interrupted continues from its last checkpoint
+(`--resume`); only `--arms` (glob patterns) are run. After every arm it rewrites `convergence.json`,
+`convergence.md` (held-out loss, bytes sent per round, bits per parameter per round, × DDP bytes, wall time) and
+two plots: held-out loss against tokens per worker, and final loss against bytes sent (the Pareto picture).
+Tuning (outer lr, H, warm-up) is not done here: it must use a validation split, never the held-out set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare.py, beside this file
+from compare import curve_of, machine_info  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUTPUT_DIR = "runs/convergence"
+DOCS_BEGIN, DOCS_END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
+
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    mode: str  # diloco, ddp, single
+    regions: int
+    method: str = "diloco"
+    compression: str = "none"
+    inner_steps: int = 50  # H (ddp and single: how often they are evaluated)
+    topk: int = 0
+    seed: int = 0
+
+
+def grid(workers: int, hs: list[int], seeds: list[int]) -> list[Arm]:
+    """Every arm, headline first (a grid stopped early still compares the methods)."""
+    first, rest = hs[0], hs[1:]
+    arms = [Arm("ddp", "ddp", workers, inner_steps=first), Arm("single", "single", 1, inner_steps=first)]
+
+    def methods(h: int) -> list[Arm]:
+        return [Arm(f"diloco-m{workers}-sfp16-h{h}", "diloco", workers, compression="scaled-fp16", inner_steps=h),
+                Arm(f"sparseloco-1pct-h{h}", "diloco", workers, "sparseloco", inner_steps=h, topk=41),
+                Arm(f"dct-k2-h{h}", "diloco", workers, "dct", inner_steps=h, topk=2)]
+
+    def others(h: int) -> list[Arm]:
+        dense = [Arm(f"diloco-m{m}-{tag}-h{h}", "diloco", m, compression=codec, inner_steps=h)
+                 for m in sorted({1, 2, workers}) for tag, codec in (("fp32", "none"), ("sfp16", "scaled-fp16"))
+                 if (m, tag) != (workers, "sfp16")]
+        return dense + [Arm(f"sparseloco-3pct-h{h}", "diloco", workers, "sparseloco", inner_steps=h, topk=128),
+                        Arm(f"dct-k4-h{h}", "diloco", workers, "dct", inner_steps=h, topk=4)]
+
+    arms += methods(first) + others(first)
+    for h in rest:
+        arms += methods(h) + others(h)
+    arms = [dataclasses.replace(a, seed=seeds[0]) for a in arms]
+    headline = arms[:5]
+    for seed in seeds[1:]:
+        arms += [dataclasses.replace(a, label=f"{a.label}-s{seed}", seed=seed) for a in headline]
+    return arms
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convergence.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker of every arm (default 2000)")
+    parser.add_argument("--h", default="50,100", help="DiLoCo's H values, comma-separated (default 50,100)")
+    parser.add_argument("--workers", type=int, default=4, help="DDP workers = regions of the compressed arms (4)")
+    parser.add_argument("--seeds", default="0,1", help="seeds; the headline arms run with each (default 0,1)")
+    parser.add_argument("--batch-size", type=int, default=3, help="windows per step per worker (default 3)")
+    parser.add_argument("--evals", type=int, default=10, help="held-out evaluations per arm (default 10)")
+    parser.add_argument("--arms", default="*", help="glob patterns of the arms to run, comma-separated (default *)")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write the table into docs/benchmarks.md and the plots into docs/")
+    parser.add_argument("--list", action="store_true", help="print the arms and exit")
+    return parser
+
+
+def check(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    try:
+        hs, seeds = [int(v) for v in args.h.split(",")], [int(v) for v in args.seeds.split(",")]
+    except ValueError:
+        raise SystemExit(f"convergence.py: --h and --seeds take comma-separated integers, got {args.h!r}, "
+                         f"{args.seeds!r}") from None
+    bad = [f"--h {h} must divide --steps {args.steps}" for h in hs if h < 1 or args.steps % h]
+    bad += [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals", "steps")
+            if getattr(args, name) < 1]
+    if bad:
+        raise SystemExit("convergence.py: " + "; ".join(bad))
+    return hs, seeds
+
+
+def arm_config(arm: Arm, args: argparse.Namespace) -> dict:
+    """The YAML the arm's CLI call reads for what no flag sets."""
+    rounds = args.steps // arm.inner_steps
+    return {"data": {"batch_size": args.batch_size},
+            # Matchmaking waits for every region (a round starts once all are in): the long bound only keeps
+            # regions that share 2 busy cores from averaging in part-groups. It changes no numerics.
+            "outer": {"matchmaking_seconds": 120.0, "averaging_timeout": 300.0},
+            "run": {"eval_every": max(1, rounds // args.evals), "checkpoint_every": max(1, rounds // 4)}}
+
+
+def command(arm: Arm, args: argparse.Namespace, arms_dir: Path, resume: bool) -> list[str]:
+    flags = ["--config", str(arms_dir / f"{arm.label}.yaml"), "--run-name", arm.label, "--output-dir",
+             str(arms_dir), "--mode", arm.mode, "--regions", str(arm.regions if arm.mode != "single" else 1),
+             "--workers-per-region", "1", "--inner-steps", str(arm.inner_steps),
+             "--outer-steps", str(args.steps // arm.inner_steps), "--seed", str(arm.seed),
+             "--compression", arm.compression]
+    if arm.mode == "ddp":  # one group of `regions` workers
+        flags[flags.index("--regions") + 1], flags[flags.index("--workers-per-region") + 1] = "1", str(arm.regions)
+    if arm.method != "diloco":
+        flags += ["--outer-method", arm.method, "--topk", str(arm.topk)]
+    return [sys.executable, "-m", "ray_diloco.cli", "train", *flags] + (["--resume"] if resume else [])
+
+
+def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
+    """The arm's summary: read back if it ran before, else run (continued from its checkpoints if it began)."""
+    summary_path = arms_dir / arm.label / "summary.json"
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())
+    (arms_dir / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
+    resume = (arms_dir / arm.label / "checkpoints").exists()
+    log = arms_dir / f"{arm.label}.log"
+    print(f"[convergence] {arm.label}: {'continuing' if resume else 'starting'} ({log})", flush=True)
+    with log.open("a") as handle:
+        code = subprocess.call(command(arm, args, arms_dir, resume), stdout=handle, stderr=subprocess.STDOUT,
+                               cwd=ROOT)
+    if code != 0 or not summary_path.exists():
+        print(f"[convergence] {arm.label} failed (exit {code}); see {log}", file=sys.stderr, flush=True)
+        return None
+    return json.loads(summary_path.read_text())
+
+
+def row_of(arm: Arm, summary: dict, ddp_per_round: float | None) -> dict:
+    rounds = [r for per_region in summary.get("rounds", {}).values() for r in per_region if r["group_size"] > 1]
+    per_round = sum(r["bytes_sent"] for r in rounds) / len(rounds) if rounds else 0.0
+    if arm.mode == "ddp":  # per worker, per H steps: what DDP sends in the time DiLoCo sends once
+        per_round = sum(summary["comm_bytes_sent"].values()) / len(summary["comm_bytes_sent"]) / (
+            summary["outer_steps"])
+    bits = summary.get("bits_per_parameter_per_round") or {}
+    known = [b for b in bits.values() if b is not None]
+    return {"arm": arm.label, "mode": arm.mode, "regions": arm.regions, "method": arm.method, "H": arm.inner_steps,
+            "topk": arm.topk, "seed": arm.seed, "eval_loss": summary["eval_loss"],
+            "eval_loss_at_start": summary["eval_loss_at_start"], "tokens": summary["tokens"],
+            "bytes_per_round": per_round,
+            "bits_per_parameter": (sum(known) / len(known) if known
+                                   else 8 * per_round / summary["parameters"]),
+            "times_ddp_bytes": per_round / ddp_per_round if ddp_per_round and arm.mode != "single" else None,
+            "wall_seconds": summary["wall_seconds"], "regions_agree": summary.get("regions_agree"),
+            "curve": curve_of(summary), "total_bytes": sum(summary["comm_bytes_sent"].values())}
+
+
+def markdown(rows: list[dict], settings: dict) -> str:
+    lines = ["| arm | M | H | held-out loss | bytes / round / region | bits / param / round | × DDP bytes | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "-" if r["times_ddp_bytes"] is None else f"{r['times_ddp_bytes']:.4f}"
+        lines.append(f"| {r['arm']} | {r['regions']} | {r['H'] if r['mode'] == 'diloco' else '-'} "
+                     f"| {r['eval_loss_at_start']:.3f} → {r['eval_loss']:.4f} | {r['bytes_per_round']:,.0f} "
+                     f"| {r['bits_per_parameter']:.3f} | {ratio} | {r['wall_seconds']:.0f} |")
+    return "\n".join(lines) + (f"\n\n{settings['steps']} inner steps per worker, batch {settings['batch_size']}"
+                               f" × 128 tokens, tiny-cpu model, from scratch. `python benchmarks/convergence.py "
+                               f"{' '.join(settings['argv'])}`\n")
+
+
+def plot(rows: list[dict], loss_png: Path, pareto_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in rows:
+        ax.plot([p["tokens_per_worker"] for p in r["curve"]], [p["eval_loss"] for p in r["curve"]], "-",
+                label=r["arm"], linewidth=1)
+    ax.set(xlabel="tokens per worker", ylabel="held-out loss", title="held-out loss against tokens")
+    ax.grid(alpha=0.3), ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout(), fig.savefig(loss_png, dpi=120), plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in (r for r in rows if r["total_bytes"] > 0):
+        ax.scatter(r["total_bytes"], r["eval_loss"], s=18)
+        ax.annotate(r["arm"], (r["total_bytes"], r["eval_loss"]), fontsize=6)
+    ax.set(xscale="log", xlabel="bytes sent in the run (all regions / workers)", ylabel="final held-out loss",
+           title="final loss against bytes sent")
+    ax.grid(alpha=0.3)
+    fig.tight_layout(), fig.savefig(pareto_png, dpi=120), plt.close(fig)
+
+
+def write_results(rows: list[dict], settings: dict, out: Path, write_docs: bool) -> None:
+    table = markdown(rows, settings)
+    (out / "convergence.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+    (out / "convergence.md").write_text(table)
+    plot(rows, out / "convergence_loss.png", out / "convergence_pareto.png")
+    if write_docs:
+        plot(rows, ROOT / "docs" / "convergence_loss.png", ROOT / "docs" / "convergence_pareto.png")
+        docs = ROOT / "docs" / "benchmarks.md"
+        text = docs.read_text()
+        section = f"{DOCS_BEGIN}\n{table}{DOCS_END}"
+        if DOCS_BEGIN in text:
+            text = text[:text.index(DOCS_BEGIN)] + section + text[text.index(DOCS_END) + len(DOCS_END):]
+        else:
+            text += f"\n## Convergence of the outer methods (benchmarks/convergence.py)\n\n{section}\n"
+        docs.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    hs, seeds = check(args)
+    patterns = [p.strip() for p in args.arms.split(",") if p.strip()]
+    arms = [a for a in grid(args.workers, hs, seeds) if any(fnmatch.fnmatch(a.label, p) for p in patterns)]
+    if args.list or not arms:
+        print("\n".join(a.label for a in arms) or f"convergence.py: --arms {args.arms!r} names no arm")
+        return 0 if arms else 2
+    out = Path(args.output_dir).resolve()
+    arms_dir = out / "arms"
+    arms_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"steps": args.steps, "batch_size": args.batch_size, "workers": args.workers, "h": hs,
+                "seeds": seeds, "argv": list(sys.argv[1:] if argv is None else argv), "machine": machine_info()}
+    summaries, failed, started = {}, [], time.perf_counter()
+    for arm in arms:
+        summary = run_arm(arm, args, arms_dir)
+        if summary is None:
+            failed.append(arm.label)
+            continue
+        summaries[arm.label] = summary
+        ddp = summaries.get("ddp")
+        ddp_per_round = (sum(ddp["comm_bytes_sent"].values()) / len(ddp["comm_bytes_sent"]) / ddp["outer_steps"]
+                         if ddp else None)
+        rows = [row_of(a, summaries[a.label], ddp_per_round) for a in arms if a.label in summaries]
+        write_results(rows, settings, out, args.write_docs)
+    print(f"[convergence] {len(summaries)} of {len(arms)} arms in {time.perf_counter() - started:.0f} s; "
+          f"{out / 'convergence.md'}", flush=True)
+    bad = failed + [label for label, s in summaries.items() if not math.isfinite(s["eval_loss"])]
+    if bad:
+        print(f"[convergence] failed or diverged: {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
