@@ -116,11 +116,13 @@ def check(args: argparse.Namespace) -> tuple[list[int], list[int]]:
 def arm_config(arm: Arm, args: argparse.Namespace) -> dict:
     """The YAML the arm's CLI call reads for what no flag sets."""
     rounds = args.steps // arm.inner_steps
+    run = {"eval_every": max(1, rounds // args.evals)}
+    if arm.mode == "diloco":  # checkpoints (and so --resume) are DiLoCo's: a baseline arm interrupted starts again
+        run["checkpoint_every"] = max(1, rounds // 4)
     return {"data": {"batch_size": args.batch_size},
             # Matchmaking waits for every region (a round starts once all are in): the long bound only keeps
             # regions that share 2 busy cores from averaging in part-groups. It changes no numerics.
-            "outer": {"matchmaking_seconds": 120.0, "averaging_timeout": 300.0},
-            "run": {"eval_every": max(1, rounds // args.evals), "checkpoint_every": max(1, rounds // 4)}}
+            "outer": {"matchmaking_seconds": 120.0, "averaging_timeout": 300.0}, "run": run}
 
 
 def command(arm: Arm, args: argparse.Namespace, arms_dir: Path, resume: bool) -> list[str]:
@@ -136,13 +138,23 @@ def command(arm: Arm, args: argparse.Namespace, arms_dir: Path, resume: bool) ->
     return [sys.executable, "-m", "ray_diloco.cli", "train", *flags] + (["--resume"] if resume else [])
 
 
+def committed_checkpoints(root: Path, label: str) -> bool:
+    """Whether every region of an interrupted arm committed a checkpoint it can continue from (a run killed while
+    writing its first one leaves a directory without one: it starts again). Beside the regions' directories lie
+    their workers' Ray Train runs, `<run>-<region>/`."""
+    from ray_diloco.checkpoint import CheckpointStore
+
+    regions = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(f"{label}-")] if root.is_dir() else []
+    return bool(regions) and all(CheckpointStore(str(d)).steps() for d in regions)
+
+
 def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
     """The arm's summary: read back if it ran before, else run (continued from its checkpoints if it began)."""
     summary_path = arms_dir / arm.label / "summary.json"
     if summary_path.exists():
         return json.loads(summary_path.read_text())
     (arms_dir / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
-    resume = (arms_dir / arm.label / "checkpoints").exists()
+    resume = committed_checkpoints(arms_dir / arm.label / "checkpoints", arm.label)
     log = arms_dir / f"{arm.label}.log"
     print(f"[convergence] {arm.label}: {'continuing' if resume else 'starting'} ({log})", flush=True)
     with log.open("a") as handle:

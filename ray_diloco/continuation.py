@@ -12,7 +12,9 @@ from ray_diloco.config import ExperimentConfig
 # stand (H, grad_accum). Everything else (outer_steps, eval_every, learning rates, timeouts…) may change.
 RESUME_FIXED = ("model", "regions", "data.path", "data.hf_dataset", "data.hf_config", "data.tokenizer",
                 "data.seq_len", "data.batch_size", "data.docs_per_pack_batch", "inner.grad_accum",
-                "outer.inner_steps", "run.mode", "run.seed")
+                "outer.inner_steps", "run.mode", "run.seed",
+                # A compressed method's state (saved per region) means something only under the same settings.
+                "outer.method", "outer.chunk_size", "outer.topk", "outer.quantization_bits", "outer.error_decay")
 _NOT_COMPARED = ("run.name", "run.resume", "run.output_dir", "run.checkpoint_path")
 
 

@@ -2,12 +2,18 @@
 CLI (`ray-diloco train` in its own process: Ray, FSDP2 over gloo, Hivemind), then the same invocation again.
 
 Checks that the arm's regions agree, that the table and both plots are written with the arm's bits per parameter,
-and that a second invocation reads the finished arm back instead of training it again (the grid resumes)."""
+and that a second invocation reads the finished arm back instead of training it again (the grid resumes). And,
+without training, that the command and YAML of every arm of the default grid make a configuration the CLI takes
+(a baseline arm once asked for checkpoints, which only DiLoCo runs take, and every ddp and single arm failed)."""
 
 import importlib.util
 import json
 import sys
 from pathlib import Path
+
+import yaml
+
+from ray_diloco.cli import build_parser, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +43,18 @@ def test_one_sparseloco_arm_of_three_regions_and_a_resumed_grid(tmp_path):
     size = log.stat().st_size
     assert convergence.main(argv) == 0  # read back, not trained again
     assert log.stat().st_size == size
+
+
+def test_every_arm_of_the_default_grid_is_a_configuration_the_cli_takes(tmp_path):
+    convergence = load_convergence()
+    args = convergence.build_parser().parse_args([])
+    hs, seeds = convergence.check(args)
+    arms = convergence.grid(args.workers, hs, seeds)
+    assert len({a.label for a in arms}) == len(arms) == 27
+    for arm in arms:
+        (tmp_path / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
+        argv = convergence.command(arm, args, tmp_path, resume=False)[3:]  # after "python -m ray_diloco.cli"
+        cfg = resolve_config(build_parser().parse_args(argv))
+        workers = sum(r.workers for r in cfg.regions)
+        assert (cfg.run.mode, cfg.outer.method, cfg.total_inner_steps) == (arm.mode, arm.method, args.steps)
+        assert workers == (1 if arm.mode == "single" else arm.regions), arm.label

@@ -5,7 +5,9 @@
 * the error-feedback identity (sent + residual = input) for both methods;
 * three rounds of SparseLoCo's Algorithm 1 for two regions, written out in NumPy loops, against the Compressor:
   the same payload sizes, the same error buffers and the same aggregate;
-* a payload from anyone is checked field by field before use: every malformed one is refused;
+* one round of the DCT method written out in NumPy (the cosine sums by hand): the k largest coefficients are sent;
+* a payload from anyone is checked field by field before use: every malformed one is refused, including one
+  that is finite on the wire but would decode to inf;
 * the config and the CLI flags.
 """
 
@@ -164,7 +166,12 @@ def test_a_malformed_payload_is_refused_before_use(method):
         "index out of range": corrupt(payload, 6, bytes([8])),
         "indices not increasing": corrupt(payload, 6, bytes([payload[7], payload[7]])),
         "non-finite": corrupt(payload, first_values, np.float32(np.nan).tobytes()),
+        # finite on the wire, inf once decoded: a level of 1e38 (sparseloco) or a scale of 1e-45 (dct)
+        "decodes beyond the bound": corrupt(payload, first_values,
+                                            np.float32(1e38 if method == "sparseloco" else 1e-45).tobytes()),
     }
+    if method == "dct":
+        bad["scale not a power of two"] = corrupt(payload, first_values, np.float32(3.0).tobytes())
     for what, data in bad.items():
         with pytest.raises(ValueError):
             compressor.decode_payload(data)
@@ -200,3 +207,31 @@ def test_config_and_flags_of_the_outer_method():
     assert apply_flags(tiny_cpu(), args).outer.lr == 0.5
     with pytest.raises(ConfigError, match="--outer-lr: must be > 0"):
         apply_flags(tiny_cpu(), build_parser().parse_args(["train", "--outer-lr", "0"]))
+
+
+def reference_dct_round(delta: np.ndarray, chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The DCT method's first round (m = Δ) for one 1-D tensor, written out: coefficients by the cosine sums, the k
+    largest |c| of each chunk kept, the chunk rebuilt from them. Returns (sent, residual), float64."""
+    n = np.arange(chunk)
+    sent = np.zeros_like(delta)
+    for start in range(0, len(delta), chunk):
+        x = delta[start:start + chunk]
+        c = np.array([math.sqrt((1 if f == 0 else 2) / chunk) * np.sum(x * np.cos(np.pi * (2 * n + 1) * f / (2 * chunk)))
+                      for f in range(chunk)])
+        keep = np.argsort(-np.abs(c))[:k]
+        kept = np.zeros(chunk)
+        kept[keep] = c[keep]
+        sent[start:start + chunk] = [sum(math.sqrt((1 if f == 0 else 2) / chunk) * kept[f]
+                                         * math.cos(math.pi * (2 * i + 1) * f / (2 * chunk)) for f in range(chunk))
+                                     for i in range(chunk)]
+    return sent, delta - sent
+
+
+def test_one_round_of_the_dct_method_sends_the_largest_coefficients_written_out():
+    delta = torch.randn(48, generator=torch.Generator().manual_seed(5))
+    compressor = Compressor(MethodSettings("dct", 16, 3, 2, 0.9), {"v": (48,)})
+    payload, sent = compressor.compress({"v": delta})
+    expected_sent, expected_residual = reference_dct_round(delta.double().numpy(), 16, 3)
+    assert np.allclose(sent["v"].double().numpy(), expected_sent, atol=2e-3)  # fp16 values on the wire
+    assert np.allclose(compressor.state["v"].double().numpy().reshape(-1), expected_residual, atol=2e-3)
+    assert np.allclose(compressor.aggregate([(1, payload)])["v"].double().numpy(), expected_sent, atol=2e-3)

@@ -33,12 +33,16 @@ def from_chunks(chunks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return chunks.reshape(-1)[:numel].reshape(shape).clone()
 
 
-def top_k_per_chunk(chunks: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_per_chunk(chunks: torch.Tensor, k: int, valid: int | None = None) -> torch.Tensor:
     """Indices (chunks, k) of the k largest |values| of each chunk, ascending within a chunk (the payload's
-    canonical order: a decoder can then require strictly increasing indices, so no index repeats)."""
+    canonical order: a decoder can then require strictly increasing indices, so no index repeats). `valid`: the
+    tensor's own values (the rest is padding), chosen before any padding is."""
     if not 1 <= k <= chunks.shape[1]:
         raise ValueError(f"k must lie in [1, {chunks.shape[1]}], got {k}")
-    indices = torch.topk(chunks.abs(), k, dim=1, sorted=False).indices
+    magnitude = chunks.abs()
+    if valid is not None and valid < chunks.numel():
+        magnitude.view(-1)[valid:] = -1.0
+    indices = torch.topk(magnitude, k, dim=1, sorted=False).indices
     return torch.sort(indices, dim=1).values
 
 

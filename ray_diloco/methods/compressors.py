@@ -18,11 +18,13 @@ and each sum rounded once, and decoded with `dct.inverse_exact`: the same bits o
 
 A payload has one layout, fixed by the model's parameters and the settings: a receiver knows its exact size
 before reading it, and `decode_payload` checks every field (indices in range and strictly increasing per chunk,
-finite tables and scales) before a value is used.
+decoded values finite and within ±1e30, a scale one of our encoder's powers of two) before a value is used.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -37,6 +39,10 @@ from ray_diloco.sync.codecs import power_of_two_scale
 
 MAGIC = b"RDM1"
 _METHOD_CODE = {"sparseloco": 1, "dct": 2}
+# A decoded value's bound: far beyond any pseudo-gradient, yet a sum over regions and the DCT's inverse (at most
+# 64·0.18 times its largest coefficient) stay far below fp32's 3.4e38, so a checked payload never yields inf.
+MAX_VALUE = 1e30
+_SCALES = frozenset(math.ldexp(1.0, k) for k in range(-126, 127))  # codecs.power_of_two_scale's range
 
 
 class Compressor:
@@ -64,7 +70,9 @@ class Compressor:
             previous = self.state.get(name)
             buffer = chunks if previous is None else torch.add(torch.mul(previous, s.decay), chunks)
             signal = dct.forward(buffer) if s.name == "dct" else buffer
-            indices = top_k_per_chunk(signal, s.topk)
+            # SparseLoCo picks among the tensor's own values, never its padding (a padded zero would skew the
+            # quantizer's mean and σ); a DCT coefficient mixes the whole chunk, padding included.
+            indices = top_k_per_chunk(signal, s.topk, valid=shape.numel() if s.name == "sparseloco" else None)
             chosen = torch.gather(signal, 1, indices)
             encoded, values = self._encode_values(chosen)
             sent_chunks = scatter_chunks(indices, values, s.chunk_size)
@@ -79,7 +87,8 @@ class Compressor:
         """The selected values' bytes and what a receiver decodes them to."""
         if self.settings.name == "sparseloco":
             codes, table = quantize(chosen, self.settings.bits)
-            return table.numpy().astype("<f4").tobytes() + pack_codes(codes, self.settings.bits), dequantize(codes, table)
+            encoded = table.numpy().astype("<f4").tobytes() + pack_codes(codes, self.settings.bits)
+            return encoded, dequantize(codes, table)
         scale = power_of_two_scale(chosen)  # fp16 of x·2^k: no overflow, no subnormals (codecs.py)
         half = torch.mul(chosen, scale).half()
         return struct.pack("<f", scale) + half.numpy().astype("<f2").tobytes(), torch.div(half.float(), scale)
@@ -122,21 +131,28 @@ class Compressor:
             offset += 4 * 2 ** s.bits
             length = -(-count * s.bits // 8)
             codes = unpack_codes(payload[offset:offset + length], count, s.bits)
-            if not bool(torch.isfinite(table).all()):
-                raise ValueError(f"{name}: non-finite quantization table")
+            if not bool((table.abs() <= MAX_VALUE).all()):  # also false for NaN
+                raise ValueError(f"{name}: a quantization level is non-finite or beyond ±{MAX_VALUE:g}")
             return dequantize(codes, table), offset + length
         (scale,) = struct.unpack_from("<f", payload, offset)
         half = torch.from_numpy(np.frombuffer(payload, dtype="<f2", count=count, offset=offset + 4).copy())
-        if not (np.isfinite(scale) and scale > 0) or not bool(torch.isfinite(half).all()):
-            raise ValueError(f"{name}: non-finite or non-positive scale, or non-finite values")
-        return torch.div(half.float(), scale), offset + 4 + 2 * count
+        if scale not in _SCALES:  # our encoder's powers of two only: a tiny one would decode fp16 values to inf
+            raise ValueError(f"{name}: the scale {scale!r} is not a power of two in [2^-126, 2^126]")
+        values = torch.div(half.float(), scale)
+        if not bool((values.abs() <= MAX_VALUE).all()):
+            raise ValueError(f"{name}: values non-finite or beyond ±{MAX_VALUE:g}")
+        return values, offset + 4 + 2 * count
 
     def aggregate(self, weighted: Sequence[tuple[float, bytes]]) -> dict[str, torch.Tensor]:
         """Σ wᵢ·decode(payloadᵢ) / Σ wᵢ by name, summed in the order given, every operation rounded once."""
+        return self.aggregate_decoded([(w, self.decode_payload(payload)) for w, payload in weighted])
+
+    def aggregate_decoded(self, weighted: Sequence[tuple[float, dict]]) -> dict[str, torch.Tensor]:
+        """`aggregate` of payloads `decode_payload` has checked and decoded already."""
         if not weighted or any(not w > 0 for w, _ in weighted):
             raise ValueError("need at least one payload, each with a positive weight (tokens)")
         total = float(sum(w for w, _ in weighted))
-        decoded = [(w / total, self.decode_payload(payload)) for w, payload in weighted]  # all checked first
+        decoded = [(w / total, parts) for w, parts in weighted]
         averaged = {}
         for name, shape in self.shapes.items():
             acc = torch.zeros(chunk_count(shape.numel(), self.settings.chunk_size), self.settings.chunk_size)
@@ -158,6 +174,15 @@ class Compressor:
             if tuple(tensor.shape) != (rows, self.settings.chunk_size):
                 raise ValueError(f"compressor state of {name!r}: shape {tuple(tensor.shape)} does not fit the model")
         self.state = {name: t.float().clone() for name, t in state.items()}
+
+    def decoder_digest(self) -> str:
+        """What a payload's meaning depends on: method, settings, the model's parameters and (dct) the basis every
+        region computes for itself. Members compare it before exchanging payloads: a region whose settings or
+        whose libm's cosines differ is left out alike by all, instead of decoding the same bytes to other values."""
+        digest = hashlib.blake2b(repr((self.settings, sorted(self.shapes.items()))).encode(), digest_size=8)
+        if self.settings.name == "dct":
+            digest.update(dct.dct_basis(self.settings.chunk_size).numpy().tobytes())
+        return digest.hexdigest()
 
     def bits_per_parameter(self) -> float:
         """Bits a region sends per model parameter per round (its payload; the wire adds framing)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -35,25 +36,28 @@ MAX_TOKENS = 2**53  # a peer's token count beyond this is malformed (a float wou
 SERVED_WAIT_SECONDS = 10.0  # after our fetches, how long we wait for the others to have fetched ours
 
 
-def _checked_members(members: list[tuple[str, dict]], size: int) -> tuple[list[tuple[str, str, int, str]], list]:
-    """((peer, region, tokens, digest) sorted by region, the malformed ones): a peer's metadata must name a
-    region, a payload of exactly our size (the same method and model) with a digest, and positive tokens."""
-    valid, malformed, seen = [], [], set()
+def _checked_members(members: list[tuple[str, dict]], size: int,
+                     decoder: str) -> tuple[list[tuple[str, str, int, str]], list]:
+    """((peer, region, tokens, digest) sorted by region, the peers left out): a peer's metadata must name a region
+    no other member claims, a payload of exactly our size for our decoder (method, settings, model, DCT basis)
+    with a digest, and positive tokens. Every member holds the same list, so every member leaves out the same."""
+    valid, left_out = [], []
     for peer, data in members:
         try:
             region, tokens = data["region"], data["tokens"]
-            digest, announced = data["payload_digest"], data["payload_bytes"]
-            ok = (isinstance(region, str) and region not in seen and isinstance(tokens, int)
-                  and 0 < tokens <= MAX_TOKENS and isinstance(digest, str) and len(digest) == 32
-                  and announced == size)
+            ok = (isinstance(region, str) and isinstance(tokens, int) and 0 < tokens <= MAX_TOKENS
+                  and isinstance(data["payload_digest"], str) and len(data["payload_digest"]) == 32
+                  and data["payload_bytes"] == size and data["decoder"] == decoder)
         except (TypeError, KeyError):
             ok = False
         if ok:
-            seen.add(region)
-            valid.append((peer, region, tokens, digest))
+            valid.append((peer, region, tokens, data["payload_digest"]))
         else:
-            malformed.append(peer)
-    return sorted(valid, key=lambda member: member[1]), malformed
+            left_out.append(peer)
+    claims = Counter(region for _, region, _, _ in valid)  # a region claimed twice: neither claim is trusted
+    left_out += [peer for peer, region, _, _ in valid if claims[region] > 1]
+    valid = [member for member in valid if claims[member[1]] == 1]
+    return sorted(valid, key=lambda member: member[1]), left_out
 
 
 class CompressedRounds:
@@ -73,6 +77,7 @@ class CompressedRounds:
                             expected: int) -> RoundResult:
         """The round's decoded, token-weighted mean of the group's payloads (runs in an executor thread)."""
         start = time.monotonic()
+        tokens = max(tokens, 1)  # as the dense path: a weight must be positive
         payload, _ = self.compressor.compress(delta)
         if self.payloads is None or expected == 1:
             return self._compressed_result([(tokens, payload)], [self.region], start, len(payload))
@@ -97,35 +102,27 @@ class CompressedRounds:
 
     def _form_and_fetch(self, payload: bytes, tokens: int, outer_step: int, expected: int,
                         start: float) -> RoundResult:
-        outer = self.config.outer
         self.payloads.offer(outer_step, payload)
+        decoder = self.compressor.decoder_digest()
         formed = self.averager.average(
             {"round": torch.ones(MARKER_VALUES)}, weight=float(tokens), round_index=outer_step,
             expected_regions=expected, checked_finite=True, prepare_next=False,
-            gather={"payload_bytes": len(payload), "payload_digest": payload_digest(payload), "tokens": tokens})
+            gather={"payload_bytes": len(payload), "payload_digest": payload_digest(payload), "tokens": tokens,
+                    "decoder": decoder})
         for peer, what in self.averager.take_rejections():
             self.peer_rejected(peer, what)
-        members, malformed = _checked_members(formed.members, len(payload))
-        for peer in malformed:
-            self.peer_rejected(peer, "a round with malformed payload metadata")
-        if len(members) <= 1:  # alone (nobody came, or the round failed before a group formed)
+        own_peer = str(self.averager.dht.peer_id)
+        members, left_out = _checked_members(formed.members, len(payload), decoder)
+        for peer in left_out:
+            if peer != own_peer:
+                self.peer_rejected(peer, "a round with malformed or conflicting payload metadata")
+        if not any(peer == own_peer for peer, *_ in members) or len(members) <= 1:
+            # Alone: nobody came, the round failed before a group formed, or another peer claimed our region.
             return self._compressed_result([(tokens, payload)], [self.region], start, len(payload),
-                                           consistent=formed.consistent, error=formed.error)
+                                           consistent=formed.consistent and len(members) <= 1, error=formed.error)
         self.payloads.set_group(outer_step, [peer for peer, *_ in formed.members])
-        others = [(peer, region, len(payload), digest) for peer, region, _, digest in members
-                  if region != self.region]
-        remaining = max(1.0, outer.averaging_timeout - (time.monotonic() - start))
-        fetched = self.payloads.fetch_all(others, outer_step, timeout=remaining)
-        weighted, regions, failed = [], [], []
-        for _, region, member_tokens, _ in members:  # sorted by region: the one order every member sums in
-            got = payload if region == self.region else fetched[region]
-            if isinstance(got, BaseException):
-                failed.append(f"{region}: {got!r}"[:200])
-                continue
-            weighted.append((member_tokens, got))
-            regions.append(region)
-        self.payloads.wait_served(outer_step, len(payload) * len(others), SERVED_WAIT_SECONDS)
-        received = sum(len(p) for region, p in fetched.items() if not isinstance(p, BaseException))
+        weighted, regions, failed, received = self._fetch_members(members, own_peer, payload, outer_step, start)
+        self.payloads.wait_served(outer_step, len(members) - 1, SERVED_WAIT_SECONDS)
         error = "; ".join(failed) or formed.error
         if failed:
             logger.warning("[%s] round %d: payloads missing (%s); this region's sum differs from the others'",
@@ -135,10 +132,34 @@ class CompressedRounds:
             bytes_sent=formed.bytes_sent + self.payloads.served(outer_step),
             bytes_received=formed.bytes_received + received, timings=formed.timings)
 
-    def _compressed_result(self, weighted: list[tuple[int, bytes]], regions: list[str], start: float,
+    def _fetch_members(self, members: list, own_peer: str, payload: bytes, outer_step: int, start: float):
+        """(token weight, decoded payload) of every member in region order, the regions, what failed, the bytes
+        received. A payload that arrived intact (its digest) but does not decode is left out by every member
+        alike (the digest pins its bytes, so every member reaches the same verdict): the round stays consistent."""
+        others = [(peer, region, len(payload), digest) for peer, region, _, digest in members if peer != own_peer]
+        remaining = max(1.0, self.config.outer.averaging_timeout - (time.monotonic() - start))
+        fetched = self.payloads.fetch_all(others, outer_step, timeout=remaining)
+        weighted, regions, failed = [], [], []
+        for peer, region, member_tokens, _ in members:  # sorted by region: the one order every member sums in
+            got = payload if peer == own_peer else fetched[region]
+            if isinstance(got, BaseException):
+                failed.append(f"{region}: {got!r}"[:200])
+                continue
+            try:
+                weighted.append((member_tokens, self.compressor.decode_payload(got)))
+                regions.append(region)
+            except ValueError as error:
+                self.peer_rejected(peer, f"an undecodable payload ({error})"[:200])
+        received = sum(len(p) for p in fetched.values() if not isinstance(p, BaseException))
+        return weighted, regions, failed, received
+
+    def _compressed_result(self, weighted: list[tuple[int, bytes | dict]], regions: list[str], start: float,
                            payload_bytes: int, consistent: bool = True, error: str | None = None,
                            bytes_sent: int = 0, bytes_received: int = 0, timings: dict | None = None) -> RoundResult:
-        return RoundResult(self.compressor.aggregate(weighted), len(weighted), sorted(regions), bytes_sent,
+        """`weighted`: (tokens, payload or its decoded parts) in region order."""
+        decoded = [(w, parts if isinstance(parts, dict) else self.compressor.decode_payload(parts))
+                   for w, parts in weighted]
+        return RoundResult(self.compressor.aggregate_decoded(decoded), len(weighted), sorted(regions), bytes_sent,
                            bytes_received, time.monotonic() - start, consistent, error, dict(timings or {}),
                            payload_bytes=payload_bytes)
 

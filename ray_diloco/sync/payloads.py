@@ -11,8 +11,8 @@ selections is no longer sparse, and its values are no longer 2-bit. So a round o
    decoded, and decodes and sums them in the order of the regions' names (Compressor.aggregate).
 
 A payload is served only to peers of that round's group (a request that arrives before our own matchmaking
-ended waits for it, briefly), so only regions the join gate admitted can read it. Bytes are counted as they
-are streamed, per round, so `bytes_sent` is what went out on the wire.
+ended waits for it), so only regions the join gate admitted can read it. `served` counts the payload bytes of the
+streams members read to the end, once per member and round (the libp2p and protobuf framing is not counted).
 
 Transport as StateSharer: a libp2p stream handler on a `P2P.replicate` client of the DHT's daemon, served from
 this object's asyncio thread, the payload in `chunk_bytes` messages.
@@ -37,7 +37,6 @@ from ray_diloco.sync.averaging import safe_name
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 2  # payloads of older rounds are dropped: a member fetches within its round
-GROUP_WAIT_SECONDS = 5.0  # a request may arrive just before our matchmaking has ended
 
 
 def payload_digest(payload: bytes) -> str:
@@ -52,7 +51,9 @@ class PayloadExchange:
         self._offered: dict[int, bytes] = {}
         self._groups: dict[int, set[PeerID]] = {}
         self._group_set: dict[int, asyncio.Event] = defaultdict(asyncio.Event)  # used on our loop only
-        self.served_bytes: dict[int, int] = defaultdict(int)  # round -> bytes streamed to members
+        self.served_bytes: dict[int, int] = defaultdict(int)  # round -> bytes of the streams members read to the end
+        self.served_peers: dict[int, set[PeerID]] = defaultdict(set)  # round -> members that read it to the end
+        self.open_streams = 0  # streams being served now (a fork while one is open would hold it open)
         self.refused = 0  # requests from peers outside the round's group (or for rounds we do not hold)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"payloads-{region}", daemon=True)
@@ -79,9 +80,8 @@ class PayloadExchange:
         async def store():
             self._offered[round_index] = payload
             for old in [r for r in self._offered if r <= round_index - KEEP_ROUNDS]:
-                self._offered.pop(old, None)
-                self._groups.pop(old, None)
-                self._group_set.pop(old, None)
+                for kept in (self._offered, self._groups, self._group_set, self.served_bytes, self.served_peers):
+                    kept.pop(old, None)
         self._run(store(), timeout=10.0)
 
     def set_group(self, round_index: int, peers: list[str]) -> None:
@@ -100,8 +100,8 @@ class PayloadExchange:
         if round_index not in self._offered:
             self.refused += 1
             return
-        try:
-            await asyncio.wait_for(self._group_set[round_index].wait(), GROUP_WAIT_SECONDS)
+        try:  # a member may ask before our own matchmaking has ended (its own ended first): wait for the group
+            await asyncio.wait_for(self._group_set[round_index].wait(), self.chunk_timeout)
         except asyncio.TimeoutError:
             pass
         payload = self._offered.get(round_index)
@@ -110,10 +110,16 @@ class PayloadExchange:
             logger.warning("[%s] refused round %d's payload to %s: not in the round's group", self.region,
                            round_index, context.remote_id)
             return
-        for offset in range(0, len(payload), self.chunk_bytes):
-            chunk = payload[offset:offset + self.chunk_bytes]
-            self.served_bytes[round_index] += len(chunk)
-            yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=chunk))
+        self.open_streams += 1
+        try:
+            for offset in range(0, len(payload), self.chunk_bytes):
+                chunk = payload[offset:offset + self.chunk_bytes]
+                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=chunk))
+            if context.remote_id not in self.served_peers[round_index]:
+                self.served_peers[round_index].add(context.remote_id)
+                self.served_bytes[round_index] += len(payload)
+        finally:
+            self.open_streams -= 1
 
     # -- theirs -----------------------------------------------------------------------------------------
     async def _fetch(self, peer: PeerID, region: str, round_index: int, size: int, digest: str) -> bytes:
@@ -144,11 +150,12 @@ class PayloadExchange:
         results = self._run(fetch_every(), timeout=timeout + 5.0)
         return {region: result for (_, region, _, _), result in zip(wanted, results)}
 
-    def wait_served(self, round_index: int, total_bytes: int, timeout: float) -> bool:
-        """Wait until `total_bytes` of our round's payload went out (every member fetched it), up to `timeout`:
-        the round's count is then complete, and a last round does not stop serving under a slower member."""
+    def wait_served(self, round_index: int, members: int, timeout: float) -> bool:
+        """Wait until `members` peers have read our round's payload to its end and no stream is open, up to
+        `timeout`: the round's count is then complete, a last round does not stop serving under a slower member,
+        and the next round's averager can be forked without holding a stream open."""
         deadline = time.monotonic() + timeout
-        while self.served_bytes.get(round_index, 0) < total_bytes:
+        while len(self.served_peers.get(round_index, ())) < members or self.open_streams:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
