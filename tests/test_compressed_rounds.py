@@ -7,7 +7,10 @@ For sparseloco and for dct, three rounds with one worker per region and unequal 
   their payloads aggregated in region order with token weights, θ ← θ − lr·mean (plain SGD);
 * each region's payload went to the two others (bytes sent ≥ 2 payloads) and is far smaller than dense fp16;
 * killed and restarted equals uninterrupted: three new actors resumed from the checkpoints of outer step 2
-  (θ_global, and each region's error feedback / momentum) repeat round 3 and reach the same bits.
+  (θ_global, and each region's error feedback / momentum) repeat round 3 and reach the same bits;
+* an absent region and a re-sync (sparseloco): r2's Δ is NaN in round 2, so it sits out; r0 and r1 average as two
+  (group 2, both consistent) and r2 takes their state with its error feedback reset to zero (the stated rule:
+  what it owed was on the θ it left); in round 3 all three are one group again and agree bit for bit.
 """
 
 from __future__ import annotations
@@ -124,3 +127,30 @@ def test_three_regions_agree_bit_for_bit_and_a_restart_repeats_the_uninterrupted
         stop(resumed)
     assert after_restart == digests[2]  # killed and restarted equals uninterrupted, bit for bit
     assert "resync" not in events and "region_joined" not in events  # nobody took another's state instead
+
+
+def test_a_region_that_sits_out_resyncs_with_its_error_feedback_reset_and_rejoins(tmp_path):
+    cfg = config(tmp_path, "sparseloco")
+    actors = start(cfg)
+    try:
+        one_round(actors, 0)
+
+        async def r2_diverges():
+            shards = {region: local(actor.global_state(), region, 1) for region, actor in actors.items()}
+            next(iter(shards["r2"].values())).view(-1)[0] = float("nan")
+            return await asyncio.gather(*(actors[r].exchange(1, 0, 1, shards[r], tokens=TOKENS[r]) for r in REGIONS))
+
+        asyncio.run(r2_diverges())
+        second = {region: actor.last_round() for region, actor in actors.items()}
+        r2_state_after_resync = dict(actors["r2"].compressor.state)
+        one_round(actors, 2)
+        third = {region: (actor.last_round(), actor.digest()) for region, actor in actors.items()}
+        events = [e["event"] for e in actors["r2"].events]
+    finally:
+        stop(actors)
+    assert [second[r]["group_size"] for r in REGIONS] == [2, 2, 0] and second["r0"]["consistent"]
+    assert second["r0"]["digest"] == second["r1"]["digest"]
+    assert "nonfinite_pseudo_gradient" in events and "resync" in events
+    assert r2_state_after_resync == {}  # re-synced: starts its error feedback at zero
+    assert all(third[r][0]["group_size"] == 3 and third[r][0]["consistent"] for r in REGIONS)
+    assert len({digest for _, digest in third.values()}) == 1
