@@ -411,3 +411,27 @@ def test_a_nonfinite_delta_after_the_region_ended_publishes_nothing(tmp_path):
         actor.shutdown()
     assert published == [] and actor.digest() == before and reached == 1
     assert len(nonfinite_events(actor)) == 1
+
+
+def test_a_region_joining_a_run_with_a_secret_gets_the_state_on_its_first_try(tmp_path):
+    """With a secret, regions serve their state to members only (a signed record must name the peer). A region that
+    joins mid-run asks for the state before its first state record: its signed joining record names it first, so
+    the download is served at once (it was refused, and the join waited for a later `catch_up`)."""
+    cfg = config(tmp_path, "secret-join", [1, 1], matchmaking_seconds=MM)
+    secret = b"k" * 32
+    ahead = SyncActorImpl(cfg, "r0", secret=secret)
+    joining = None
+    try:
+        theta = trained(ahead, seed=6)
+        ahead._set_state(4, theta, {})  # the run is at outer step 4
+        ahead.catch_up()  # publishes it
+        joining = SyncActorImpl(cfg, "r1", initial_peers=ahead.multiaddrs(), secret=secret)
+        step, digest = joining.outer_step(), joining.digest()
+    finally:
+        for actor in (joining, ahead):
+            if actor is not None:
+                actor.shutdown()
+    assert (step, digest) == (4, state_digest(theta))
+    events = [e["event"] for e in joining.events]
+    assert "region_joined" in events and "region_joined_failed" not in events
+    assert not [e for e in ahead.events if e["event"] == "peer_rejected"]

@@ -86,6 +86,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         if self.sharer is not None:
             self._announce()
             self._dial_peer_files()
+            if secret:  # named before we ask: the regions serving us the run's state admit members only
+                self._announce_joining()
             self._join_if_behind()
             self._publish_safely(0)
         metrics.safely(metrics.record_event, cfg.run.name, region, "sync_actor_started")

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,25 @@ def members_named(found) -> set[PeerID]:
     return members
 
 
+def member_keys(members_key: str) -> tuple[str, str]:
+    """Where members are named: the run's state records, and the records of regions joining it (a region asks for
+    the run's state before it publishes a state record of its own: `announce_joining`)."""
+    return members_key, f"{members_key}_joining"
+
+
 async def read_members(dht, members_key: str) -> set[PeerID]:
     """The peers the run's signed records name now (validated by the DHT's RecordAuthenticator)."""
-    return members_named(await asyncio.wrap_future(dht.get(members_key, latest=True, return_future=True)))
+    found = [await asyncio.wrap_future(dht.get(key, latest=True, return_future=True))
+             for key in member_keys(members_key)]
+    return set().union(*(members_named(f) for f in found))
+
+
+def announce_joining(dht, members_key: str, region: str, ttl: float, timeout: float) -> bool:
+    """Name our peer in a signed record before we have a state record, so that the regions we download the run's
+    state from, or whose round we join, admit us. It expires after `ttl`; by then our state record names us."""
+    key = member_keys(members_key)[1]
+    return bool(dht.store(key, subkey=region, value={"peer_id": dht.peer_id.to_base58()},
+                          expiration_time=get_dht_time() + ttl, return_future=True).result(timeout))
 
 
 class MemberGate:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind import DHT
 
-from ray_diloco.sync.auth import RecordAuthenticator, members_named
+from ray_diloco.sync.auth import RecordAuthenticator, member_keys, members_named
 from ray_diloco.sync.codecs import CODEC_NAMES, count_nonfinite, get_codec
 from ray_diloco.sync.hivemind_exact import ExactAverager
 from ray_diloco.sync.wire_codecs import make_wire_codec
@@ -219,8 +219,8 @@ class RegionAverager:
         """The run's members: those known already and those the signed records name now (a lookup bounded by
         `timeout`; on failure, those known)."""
         try:
-            found = self.dht.get(self.members_key, latest=True, return_future=True).result(timeout)
-            self._members |= members_named(found)
+            for key in member_keys(self.members_key):
+                self._members |= members_named(self.dht.get(key, latest=True, return_future=True).result(timeout))
         except Exception as error:  # noqa: BLE001 — the round's gate reads them again when asked
             logger.info("[%s] reading the run's members failed: %r", self.region, error)
         return set(self._members)

@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 
 from ray_diloco import metrics
-from ray_diloco.sync import durable, peers, policy
+from ray_diloco.sync import auth, durable, peers, policy
 from ray_diloco.sync.bounded import LISTING_SECONDS
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
 from ray_diloco.sync.policy import FINISHED, TRAINING, UNSETTLED, StateRecord
@@ -72,6 +72,18 @@ class Membership:
         except Exception as error:  # storage not writable: regions can still be joined with --initial-peers
             where = f"not written ({error!r:.200})"
         self.record_event("hivemind_started", multiaddrs=maddrs, peer_file=where)
+
+    def _announce_joining(self) -> None:
+        """A signed record naming our peer before our first state record (auth.announce_joining)."""
+        try:
+            stored = auth.announce_joining(self.averager.dht, self.sharer.key, self.region,
+                                           ttl=self.sharer.ttl, timeout=self.sharer.dht_timeout)
+        except Exception as error:  # noqa: BLE001 — the join is retried (catch_up) once our state record is out
+            stored = False
+            logger.warning("[%s] naming our peer before the join failed: %r", self.region, error)
+        if not stored:
+            logger.warning("[%s] our joining record was not stored: a first state download may be refused",
+                           self.region)
 
     def _dial_peer_files(self) -> None:
         """Connect to the regions whose peer files appeared since we last looked (at most every few seconds)."""
