@@ -61,6 +61,8 @@ def test_a_missing_or_short_secret_file_is_one_line_naming_the_flag(tmp_path):
     (tmp_path / "short").write_text("abc\n")
     with pytest.raises(ValueError, match=r"^--secret-file .*short: holds 3 bytes, at least 32"):
         read_secret(str(tmp_path / "short"))
+    with pytest.raises(ValueError, match=r"^--secret-file .*: is a directory; give a file"):
+        read_secret(str(tmp_path))
     (tmp_path / "good").write_text("ab" * 32 + "\n")
     assert read_secret(str(tmp_path / "good")) == b"ab" * 32
 

@@ -435,3 +435,17 @@ def test_a_region_joining_a_run_with_a_secret_gets_the_state_on_its_first_try(tm
     events = [e["event"] for e in joining.events]
     assert "region_joined" in events and "region_joined_failed" not in events
     assert not [e for e in ahead.events if e["event"] == "peer_rejected"]
+
+
+def test_refused_peers_are_reported_once_each_up_to_a_bound_and_all_counted(tmp_path):
+    """Peer IDs cost an intruder nothing: events name the first REPORTED_PEERS refused (peer, what) pairs, once
+    each; every refusal is counted."""
+    from ray_diloco.sync.actor import REPORTED_PEERS
+
+    actor = SyncActorImpl(config(tmp_path, "refusals", [1]), "r0")
+    for i in range(REPORTED_PEERS + 20):
+        actor.peer_rejected(f"peer-{i}", "a state download")
+    actor.peer_rejected("peer-0", "a state download")  # reported already
+    reported = [e["peer"] for e in actor.events if e["event"] == "peer_rejected"]
+    assert reported == [f"peer-{i}" for i in range(REPORTED_PEERS)]
+    assert actor.stats()["peers_rejected"] == REPORTED_PEERS + 21

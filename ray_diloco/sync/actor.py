@@ -58,6 +58,7 @@ from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
 from ray_diloco.sync.rounds import PendingRound, Rounds
 
 logger = logging.getLogger(__name__)
+REPORTED_PEERS = 64  # refused (peer, what) pairs reported as events; the rest are counted
 
 
 class SyncActorImpl(Membership, Rounds, CompressedRounds):
@@ -101,6 +102,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         self.expected_regions = len(cfg.regions)
         self.averager = self.sharer = None
         self._rejected: set[tuple[str, str]] = set()  # (peer, what) already reported
+        self.peers_rejected = 0  # every refusal, reported or not
         self._connected: set[str] = set()  # regions whose peer file we dialled successfully
         self._peers_read = 0.0  # when we last read the peer files
         self._stored: dict = {}  # region -> durable.StoredRecord: the records kept in the run's storage
@@ -128,10 +130,16 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
                                   on_reject=lambda peer, what: self.peer_rejected(peer.to_base58(), what))
 
     def peer_rejected(self, peer: str, what: str) -> None:
-        """A peer that no signed record of the run names asked us for `what`: an event once per peer and kind."""
-        if (peer, what) not in self._rejected:
+        """A peer that no signed record of the run names asked us for `what`: an event once per peer and kind, for
+        the first REPORTED_PEERS of them (peer IDs cost nothing to make: an intruder must not grow the events and
+        summary.json without bound); every refusal is counted (`stats()['peers_rejected']`)."""
+        self.peers_rejected += 1
+        if (peer, what) not in self._rejected and len(self._rejected) < REPORTED_PEERS:
             self._rejected.add((peer, what))
             self.record_event("peer_rejected", peer=peer, what=what)
+            if len(self._rejected) == REPORTED_PEERS:
+                logger.warning("[%s] %d refused peers reported; further ones are only counted", self.region,
+                               REPORTED_PEERS)
 
     def _init_round_state(self, record_rounds: bool, evaluator) -> None:
         """Everything the rounds, the workers' exchanges and the summary keep, empty."""
@@ -322,7 +330,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "sync_seconds": self.sync_seconds, "rounds": list(self.history), "digest": self.digest(),
             "record": dataclasses.asdict(self._published) if self._published else None,
-            "events": list(self.events),
+            "events": list(self.events), "peers_rejected": self.peers_rejected,
         }
 
     # -- the outer step ------------------------------------------------------------------------------

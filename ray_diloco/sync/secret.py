@@ -10,6 +10,9 @@ MIN_SECRET_BYTES = 32
 
 def read_secret(path: str, flag: str = "--secret-file") -> bytes:
     """The secret in `path` (surrounding whitespace removed), or ValueError naming the flag and the fix."""
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file, e.g. `openssl rand -hex 32 > run.secret` "
+                         f"and {flag} run.secret, the same file in every region")
     try:
         secret = Path(path).read_bytes().strip()
     except OSError as error:
