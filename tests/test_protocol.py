@@ -23,7 +23,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 from protocol_sim import RegionPlan, Rules, Schedule, simulate
@@ -97,7 +97,11 @@ def skewed_schedules(draw) -> Schedule:
 def skew_violations(schedule: Schedule, rules: Rules = Rules()) -> list[str]:
     """A group takes every region that was ready for its step within max_wait of the group's first member (less
     one poll and a second: what a region needs to see the others and ask for the group); without the far slower
-    region, every round has every region."""
+    region, every round has every region. Exempt: a round of the last step that starts after another group of
+    that step has ended the run. The regions still on that step are late for the end; each ends on the run's
+    final state, either at once (it sees the end) or after a round that the end supersedes. Which of the two a
+    region takes is a race with the records of the end (found by hypothesis 6.170: regions b and c ready
+    together, b saw the end and settled, c had already asked for a group and went alone; all ended agreeing)."""
     out, found = simulate(schedule, rules)
     margin = 0.5 + 1.0
     for step in sorted({r["step"] for r in out.rounds}):
@@ -106,7 +110,8 @@ def skew_violations(schedule: Schedule, rules: Rules = Rules()) -> list[str]:
             if s == step:
                 ready.setdefault(region, when)  # its first readiness for this step
         taken: set[str] = set()
-        for r in (r for r in out.rounds if r["step"] == step):
+        ended = min((r["time"] for r in out.rounds if r["step"] == step == schedule.target - 1), default=None)
+        for r in (r for r in out.rounds if r["step"] == step and (ended is None or r["time"] <= ended)):
             first = min(ready.get(m, r["time"]) for m in r["members"])
             due = {region for region, when in ready.items()
                    if region not in taken and first <= when <= first + schedule.max_wait - margin}
@@ -132,8 +137,15 @@ def test_property_every_schedule_keeps_the_invariants(schedule):
     assert not found, found
 
 
+# Found by hypothesis 6.170.17 in CI: b and c ready together for the last step after a and z had ended the run.
+LATE_FOR_THE_END = Schedule(tuple(RegionPlan(name, window) for name, window in
+                                  (("a", 33.375), ("b", 38.5), ("c", 38.5), (SLOWEST, 72.0))),
+                            target=2, max_wait=MAX_WAIT, matchmaking=MATCHMAKING, ttl=TTL)
+
+
 @PROPERTY_SETTINGS
 @given(skewed_schedules())
+@example(LATE_FOR_THE_END)
 def test_property_skew_up_to_max_wait_averages_every_round(schedule):
     found = skew_violations(schedule)
     assert not found, found
