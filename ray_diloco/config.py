@@ -232,6 +232,9 @@ class OuterConfig:
                  "chunk_size and topk must be >= 0 (0: the method's default)")
         _require(self.quantization_bits in (1, 2, 4, 8), "outer.quantization_bits", "must be 1, 2, 4 or 8")
         _require(0 <= self.error_decay < 1, "outer.error_decay", f"must lie in [0, 1), got {self.error_decay}")
+        _require(self.method in DEFAULTS or not (self.topk or self.chunk_size), "outer.topk",
+                 "only sparseloco and dct select values per chunk: set outer.method (--outer-method) or leave "
+                 "topk and chunk_size at 0")
         if self.method in DEFAULTS:
             _require(self.momentum == 0 and not self.nesterov, "outer.momentum",
                      f"{self.method} takes a plain SGD step (its error feedback replaces the outer momentum): set "
