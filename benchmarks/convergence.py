@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     hs, seeds = check(args)
     patterns = [p.strip() for p in args.arms.split(",") if p.strip()]
-    arms = [a for a in grid(args.workers, hs, seeds) if any(fnmatch.fnmatch(a.label, p) for p in patterns)]
+    every = grid(args.workers, hs, seeds)
+    arms = [a for a in every if any(fnmatch.fnmatch(a.label, p) for p in patterns)]
     if args.list or not arms:
         print("\n".join(a.label for a in arms) or f"convergence.py: --arms {args.arms!r} names no arm")
         return 0 if arms else 2
@@ -251,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     arms_dir.mkdir(parents=True, exist_ok=True)
     settings = {"steps": args.steps, "batch_size": args.batch_size, "workers": args.workers, "h": hs,
                 "seeds": seeds, "argv": list(sys.argv[1:] if argv is None else argv), "machine": machine_info()}
-    summaries, failed, started = {}, [], time.perf_counter()
+    # The table holds every finished arm of the grid in this directory, whichever invocation ran it.
+    summaries = {a.label: json.loads(path.read_text()) for a in every
+                 if (path := arms_dir / a.label / "summary.json").exists()}
+    failed, started = [], time.perf_counter()
     for arm in arms:
         summary = run_arm(arm, args, arms_dir)
         if summary is None:
@@ -261,11 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         ddp = summaries.get("ddp")
         ddp_per_round = (sum(ddp["comm_bytes_sent"].values()) / len(ddp["comm_bytes_sent"]) / ddp["outer_steps"]
                          if ddp else None)
-        rows = [row_of(a, summaries[a.label], ddp_per_round) for a in arms if a.label in summaries]
+        rows = [row_of(a, summaries[a.label], ddp_per_round) for a in every if a.label in summaries]
         write_results(rows, settings, out, args.write_docs)
-    print(f"[convergence] {len(summaries)} of {len(arms)} arms in {time.perf_counter() - started:.0f} s; "
+    print(f"[convergence] {len(arms) - len(failed)} of {len(arms)} arms in {time.perf_counter() - started:.0f} s; "
           f"{out / 'convergence.md'}", flush=True)
-    bad = failed + [label for label, s in summaries.items() if not math.isfinite(s["eval_loss"])]
+    bad = failed + [a.label for a in arms
+                    if a.label in summaries and not math.isfinite(summaries[a.label]["eval_loss"])]
     if bad:
         print(f"[convergence] failed or diverged: {bad}", file=sys.stderr)
     return 1 if bad else 0
