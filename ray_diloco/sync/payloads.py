@@ -14,8 +14,8 @@ A payload is served only to peers of that round's group (a request that arrives 
 ended waits for it), so only regions the join gate admitted can read it. `served` counts the payload bytes of the
 streams members read to the end, once per member and round (the libp2p and protobuf framing is not counted).
 
-Transport as StateSharer: a libp2p stream handler on a `P2P.replicate` client of the DHT's daemon, served from
-this object's asyncio thread, the payload in `chunk_bytes` messages.
+Transport as StateSharer: a libp2p stream handler of our own on the DHT's daemon (`p2p_service.StreamService`),
+the payload in `chunk_bytes` messages.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import threading
 import time
 from collections import defaultdict
 
 from hivemind import DHT
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from ray_diloco.sync.averaging import safe_name
+from ray_diloco.sync.p2p_service import StreamService
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 2  # payloads of older rounds are dropped: a member fetches within its round
@@ -55,24 +55,12 @@ class PayloadExchange:
         self.served_peers: dict[int, set[PeerID]] = defaultdict(set)  # round -> members that read it to the end
         self.open_streams = 0  # streams being served now (a fork while one is open would hold it open)
         self.refused = 0  # requests from peers outside the round's group (or for rounds we do not hold)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"payloads-{region}", daemon=True)
-        self._thread.start()
-        daemon_maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
-        self._p2p: P2P = self._run(self._start(daemon_maddr), timeout=60.0)
-
-    def _run(self, coro, timeout: float):
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
-        return future.result(timeout + 5.0)
+        self._service = StreamService(dht, self._handler_name(region), self._serve, averaging_pb2.DownloadData,
+                                      thread_name=f"payloads-{region}")
+        self._run = self._service.run
 
     def _handler_name(self, region: str) -> str:
         return f"diloco_{safe_name(self.run_id)}_payload::{safe_name(region)}"
-
-    async def _start(self, daemon_maddr) -> P2P:
-        p2p = await P2P.replicate(daemon_maddr)
-        await p2p.add_protobuf_handler(self._handler_name(self.region), self._serve, averaging_pb2.DownloadData,
-                                       stream_output=True)
-        return p2p
 
     # -- our side ---------------------------------------------------------------------------------------
     def offer(self, round_index: int, payload: bytes) -> None:
@@ -124,7 +112,7 @@ class PayloadExchange:
     # -- theirs -----------------------------------------------------------------------------------------
     async def _fetch(self, peer: PeerID, region: str, round_index: int, size: int, digest: str) -> bytes:
         request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps({"round": int(round_index)}))
-        stream = await self._p2p.iterate_protobuf_handler(peer, self._handler_name(region), request,
+        stream = await self._service.p2p.iterate_protobuf_handler(peer, self._handler_name(region), request,
                                                           averaging_pb2.DownloadData)
         received = bytearray()
         try:
@@ -165,14 +153,4 @@ class PayloadExchange:
         return self.served_bytes.get(round_index, 0)
 
     def shutdown(self) -> None:
-        async def stop():
-            try:
-                await self._p2p.remove_protobuf_handler(self._handler_name(self.region), stream_output=True)
-            finally:
-                await self._p2p.shutdown()
-        try:
-            self._run(stop(), timeout=10.0)
-        except Exception as error:  # noqa: BLE001 — the daemon may be gone already
-            logger.debug("[%s] stopping the payload exchange failed: %r", self.region, error)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5.0)
+        self._service.shutdown(f"[{self.region}] the payload exchange")

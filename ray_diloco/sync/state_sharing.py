@@ -4,8 +4,8 @@ Every region publishes a `StateRecord` in the DHT under a run-scoped key (subkey
 its p2p peer id); `ray_diloco.sync.policy` decides from them; `StateSharer.load_from_peers`
 downloads (outer_step, θ_global, momentum) from a region whose record matches the wanted one.
 
-Transport: one libp2p stream handler per region on the DHT's own p2p daemon (a `P2P.replicate` client served
-from the sharer's asyncio thread, in this process). Not hivemind's averager state sharing: it picks the donor by
+Transport: one libp2p stream handler per region on the DHT's own p2p daemon (`p2p_service.StreamService`, served
+from an asyncio thread of its own, in this process). Not hivemind's averager state sharing: it picks the donor by
 priority (we need the holder of one digest), runs in a forked child and copies the whole state into shared
 memory per request. The state goes as raw bytes (exact, any dtype) in `chunk_bytes` messages after a small
 header (step, digest, names, dtypes, shapes). The client checks the header's step/digest, then the digest of
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 from hivemind import DHT
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -39,6 +39,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from ray_diloco.sync.auth import MemberGate
 from ray_diloco.sync.averaging import safe_name
 from ray_diloco.sync.outer import state_digest
+from ray_diloco.sync.p2p_service import StreamService
 from ray_diloco.sync.policy import PHASES, StateRecord, choose_canonical, parse_record
 
 logger = logging.getLogger(__name__)
@@ -128,31 +129,17 @@ class StateSharer:
         self._expiration = 0.0
         self._lock = threading.Lock()  # record + DHT stores in order: the last store always carries the newest
         self._stop = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name=f"state-{region}", daemon=True)
-        self._loop_thread.start()
-        # Our own client of the DHT's p2p daemon, bound to our loop (dht.replicate_p2p() caches one replica per
-        # process on the DHT object: it would be tied to this loop for every other user in the process).
-        daemon_maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
-        self._p2p: P2P = self._run(self._start(daemon_maddr), timeout=60.0)
-        self.peer_id: PeerID = self._p2p.peer_id
+        self._service = StreamService(dht, self._handler_name(region), self._serve, averaging_pb2.DownloadRequest,
+                                      thread_name=f"state-{region}")
+        self._run = self._service.run
+        self.peer_id: PeerID = self._service.p2p.peer_id
         self._refresher = threading.Thread(target=self._refresh_periodically, name=f"state-refresh-{region}",
                                            daemon=True)
         self._refresher.start()
 
     # -- plumbing ------------------------------------------------------------------------------------
-    def _run(self, coro, timeout: float):
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
-        return future.result(timeout + 5.0)
-
     def _handler_name(self, region: str) -> str:
         return f"{self.key}::{safe_name(region)}::download"
-
-    async def _start(self, daemon_maddr) -> P2P:
-        p2p = await P2P.replicate(daemon_maddr)
-        await p2p.add_protobuf_handler(self._handler_name(self.region), self._serve, averaging_pb2.DownloadRequest,
-                                       stream_output=True)
-        return p2p
 
     def _store_locked(self, value) -> None:
         expiration = max(get_dht_time() + self.ttl, self._expiration + 1e-3)  # later store must win
@@ -250,7 +237,7 @@ class StateSharer:
 
     # -- loading -------------------------------------------------------------------------------------
     async def _download(self, peer: PeerID, region: str, want: StateRecord) -> State:
-        stream = await self._p2p.iterate_protobuf_handler(
+        stream = await self._service.p2p.iterate_protobuf_handler(
             peer, self._handler_name(region), averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData)
         messages = aiter_with_timeout(stream, self.chunk_timeout)
         try:
@@ -334,16 +321,5 @@ class StateSharer:
                     self._store_locked(None)
         except Exception as e:
             logger.debug("[%s] withdrawing the state record failed: %r", self.region, e)
-        try:
-            self._run(self._stop_p2p(), timeout=10.0)
-        except Exception as e:
-            logger.debug("[%s] stopping p2p failed: %r", self.region, e)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._loop_thread.join(5.0)
+        self._service.shutdown(f"[{self.region}] the state sharer")
         self._refresher.join(5.0)
-
-    async def _stop_p2p(self) -> None:
-        try:
-            await self._p2p.remove_protobuf_handler(self._handler_name(self.region), stream_output=True)
-        finally:
-            await self._p2p.shutdown()
