@@ -198,7 +198,10 @@ def _outer_method_flags(outer, args: argparse.Namespace):
     if args.outer_lr is not None:
         outer = replace(outer, lr=args.outer_lr)
     if args.topk is not None:
-        outer = replace(outer, topk=args.topk)
+        try:
+            outer = replace(outer, topk=args.topk)
+        except ConfigError as error:  # name the flag the user typed, not the field it sets
+            raise ConfigError(f"--topk: {str(error).removeprefix('outer.topk: ')}") from None
     return outer
 
 

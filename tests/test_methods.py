@@ -200,8 +200,11 @@ def test_config_and_flags_of_the_outer_method():
         OuterConfig(method="zip")
     with pytest.raises(ConfigError, match="outer.topk"):
         OuterConfig(method="sparseloco", momentum=0, nesterov=False, topk=5000)
-    with pytest.raises(ConfigError, match="outer.topk: only sparseloco and dct select"):  # not ignored silently
+    # The flag the user typed is named, not the config field it sets.
+    with pytest.raises(ConfigError, match="^--topk: only sparseloco and dct select"):  # not ignored silently
         apply_flags(tiny_cpu(), build_parser().parse_args(["train", "--topk", "5"]))
+    with pytest.raises(ConfigError, match=r"^--topk: must lie in \[1, chunk_size=64\]"):
+        apply_flags(tiny_cpu(), build_parser().parse_args(["train", "--outer-method", "dct", "--topk", "100"]))
     args = build_parser().parse_args(["train", "--outer-method", "sparseloco", "--topk", "41"])
     outer = apply_flags(tiny_cpu(), args).outer
     assert (outer.method, outer.momentum, outer.nesterov, outer.lr, outer.topk) == ("sparseloco", 0, False, 1.0, 41)
