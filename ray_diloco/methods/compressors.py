@@ -63,8 +63,16 @@ class Compressor:
     # -- sending ---------------------------------------------------------------------------------------
     def compress(self, delta: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, torch.Tensor]]:
         """(payload, what it carries decoded, by name) for this round's Δ; the state moves on."""
+        payload, sent, self.state = self.encode(delta)
+        return payload, sent
+
+    def encode(self, delta: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, torch.Tensor],
+                                                                   dict[str, torch.Tensor]]:
+        """(payload, what it carries decoded, the state after it) for this round's Δ; the state stays as it was
+        until the caller stores the new one (a round may be abandoned after its payload was made: its Δ is then
+        sent again in the next round's, so what it owed must not move)."""
         s = self.settings
-        parts, sent = [MAGIC, bytes([_METHOD_CODE[s.name], s.bits])], {}
+        parts, sent, state = [MAGIC, bytes([_METHOD_CODE[s.name], s.bits])], {}, {}
         for name, shape in self.shapes.items():
             chunks = to_chunks(delta[name], s.chunk_size)
             previous = self.state.get(name)
@@ -78,10 +86,10 @@ class Compressor:
             sent_chunks = scatter_chunks(indices, values, s.chunk_size)
             if s.name == "dct":
                 sent_chunks = dct.inverse(sent_chunks)  # local: only this region subtracts it
-            self.state[name] = torch.sub(buffer, sent_chunks)
+            state[name] = torch.sub(buffer, sent_chunks)
             sent[name] = from_chunks(sent_chunks, shape)
             parts += [indices.numpy().astype(self._index_dtype).tobytes(), encoded]
-        return b"".join(parts), sent
+        return b"".join(parts), sent, state
 
     def _encode_values(self, chosen: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """The selected values' bytes and what a receiver decodes them to."""

@@ -66,6 +66,8 @@ class RoundResult:
     # them (the same list on every member); empty for a round alone. A peer's metadata is unchecked.
     members: list[tuple[str, dict]] = field(default_factory=list)
     payload_bytes: int = 0  # a compressed method's round: the size of this region's payload (methods/)
+    # A compressed method's round: the region's compressor state after it, stored when its outer step applies.
+    method_state: dict[str, torch.Tensor] | None = None
 
     @property
     def digest(self) -> str:

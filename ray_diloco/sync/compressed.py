@@ -13,10 +13,13 @@ the region votes as a group of one and re-syncs by the usual rules.
 The compressor's state (error feedback / momentum) is the region's own: it is saved in the region's
 checkpoints and restored on resume; a region that joins or re-syncs to another region's θ_global starts it at
 zero, as a fresh replica does (the papers give no rule; the buffer held what the region owed on the θ it left).
+It moves with the round's outer step, never without it: a round abandoned after its payload was made (its Δ then
+goes again, inside the next round's) leaves it as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -75,20 +78,24 @@ class CompressedRounds:
 
     def _average_compressed(self, delta: dict[str, torch.Tensor], tokens: int, outer_step: int,
                             expected: int) -> RoundResult:
-        """The round's decoded, token-weighted mean of the group's payloads (runs in an executor thread)."""
+        """The round's decoded, token-weighted mean of the group's payloads (runs in an executor thread), with the
+        compressor state after it: `Rounds` stores that state when the round's outer step applies, so an abandoned
+        round moves neither θ_global nor what the region owes."""
         start = time.monotonic()
         tokens = max(tokens, 1)  # as the dense path: a weight must be positive
-        payload, _ = self.compressor.compress(delta)
+        payload, _, state = self.compressor.encode(delta)
         if self.payloads is None or expected == 1:
-            return self._compressed_result([(tokens, payload)], [self.region], start, len(payload))
-        try:
-            return self._exchange_payloads(payload, tokens, outer_step, expected, start)
-        except Exception as error:  # the region goes on alone this round rather than dying
-            self.record_event("averaging_error", error=repr(error)[:300])
-            logger.warning("[%s] round %d: the payload exchange failed (%r); using the own payload", self.region,
-                           outer_step, error)
-            return self._compressed_result([(tokens, payload)], [self.region], start, len(payload),
-                                           consistent=False, error=repr(error))
+            result = self._compressed_result([(tokens, payload)], [self.region], start, len(payload))
+        else:
+            try:
+                result = self._exchange_payloads(payload, tokens, outer_step, expected, start)
+            except Exception as error:  # the region goes on alone this round rather than dying
+                self.record_event("averaging_error", error=repr(error)[:300])
+                logger.warning("[%s] round %d: the payload exchange failed (%r); using the own payload",
+                               self.region, outer_step, error)
+                result = self._compressed_result([(tokens, payload)], [self.region], start, len(payload),
+                                                 consistent=False, error=repr(error))
+        return dataclasses.replace(result, method_state=state)
 
     def _exchange_payloads(self, payload: bytes, tokens: int, outer_step: int, expected: int,
                            start: float) -> RoundResult:

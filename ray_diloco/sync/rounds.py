@@ -75,6 +75,8 @@ class Rounds:
         reduce_seconds = time.perf_counter() - start
         new_global = self.outer.step(result.averaged)
         self._digest = state_digest(new_global)
+        if result.method_state is not None:  # with the outer step, never without it (compressed.py)
+            self.compressor.state = result.method_state
         if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
             group = result.group_size if result.consistent else 1
             await self._in_executor(lambda: self._publish_safely(group))
