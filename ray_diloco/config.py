@@ -447,6 +447,11 @@ class ExperimentConfig:
         data = self.data
         return outer_steps * self.outer.inner_steps * data.batch_size * data.seq_len * self.inner.grad_accum
 
+    def max_round_tokens(self) -> int:
+        """The most tokens any region of the run trains in one round (its most workers, one window each): the
+        bound on a peer's declared weight, so that no member outweighs the largest region."""
+        return max(region.max_workers for region in self.regions) * self.tokens_per_worker(1)
+
     @property
     def total_inner_steps(self) -> int:
         return self.run.outer_steps * self.outer.inner_steps

@@ -310,6 +310,25 @@ def test_a_reducer_stays_until_its_last_reply_is_in(monkeypatch):
         assert fast.seconds > 0.8 * slow.seconds, (fast.seconds, slow.seconds)
 
 
+def test_a_sender_declaring_more_tokens_than_any_region_trains_is_left_out_of_our_parts():
+    """issue 24: Δ is averaged weighted by the tokens each sender declares; a member declaring 10^12 took every
+    part it sent (the mean was its Δ). Past max_weight (`ExperimentConfig.max_round_tokens`: the run's largest
+    region's tokens per round) a reducer refuses the sender's parts: the parts r0 reduces hold r0's Δ alone, and
+    r0 reports the round inconsistent. (The parts the inflated member reduces itself it controls anyway: a
+    butterfly all-reduce trusts each reducer with its part; the compressed methods' all-gather does not.)"""
+    regions = start_regions(2, run_id="weights", max_weight=1000.0)
+    deltas = [make_delta(seed=0), make_delta(seed=1)]
+    try:
+        honest, _ = run_round([(regions[0], deltas[0], 1000.0, 0), (regions[1], deltas[1], 1e12, 0)])
+    finally:
+        shutdown(regions)
+    codec = get_codec("fp16")
+    own = torch.cat([codec.roundtrip(deltas[0][name]).reshape(-1) for name in SHAPES])
+    got = torch.cat([honest.averaged[name].reshape(-1) for name in SHAPES])
+    assert (got == own).float().mean() > 0.3  # r0's own part: its Δ alone (the old code: the inflated Δ's)
+    assert not honest.consistent
+
+
 def test_region_dying_mid_round_is_reported_inconsistent(monkeypatch):
     regions = start_regions(2, run_id="drop", averaging_timeout=15.0, part_size_bytes=2**12)
     victim = regions[1].dht.peer_id

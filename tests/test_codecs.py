@@ -138,3 +138,6 @@ def test_a_received_part_that_decodes_to_nan_or_inf_is_refused():
     for weight in (float("nan"), float("inf"), 0.0, -1.0):
         with pytest.raises(ValueError, match="weight"):
             check_part(torch.zeros(8), torch.Size([8]), weight, "peer")
+    check_part(torch.zeros(8), torch.Size([8]), 1000.0, "peer", max_weight=1000.0)  # the largest region's tokens
+    with pytest.raises(ValueError, match=r"weight 1001.0 \(must lie in \(0, 1000\]\)"):
+        check_part(torch.zeros(8), torch.Size([8]), 1001.0, "peer", max_weight=1000.0)

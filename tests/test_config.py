@@ -89,6 +89,9 @@ def test_a_worker_range_is_an_elastic_region_of_one_cluster():
     assert (us.min_workers, us.max_workers, us.elastic) == (2, 8, True)
     assert (eu.min_workers, eu.max_workers, eu.elastic) == (4, 4, False)
     assert ExperimentConfig.from_yaml(cfg.to_yaml()) == cfg  # "2..8" round-trips
+    # A peer's declared tokens per round are bounded by the largest region's: 8 workers, one window each.
+    window = cfg.outer.inner_steps * cfg.inner.grad_accum * cfg.data.batch_size * cfg.data.seq_len
+    assert cfg.max_round_tokens() == 8 * window
     assert ExperimentConfig.from_yaml("regions: [{name: us, workers: 3..3}]").regions[0].workers == 3
     cfg.check_elastic()  # us alone in this cluster
 

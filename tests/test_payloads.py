@@ -2,7 +2,7 @@
 sum, and what a payload must be before it is used.
 
 * `_checked_members` leaves out, on every member alike, a peer whose metadata is malformed (not a mapping,
-  missing fields, tokens not a positive int, a payload of another size or decoder) and both claims of a region
+  missing fields, tokens not a positive int or more than the run's largest region trains in a round, a payload of another size or decoder) and both claims of a region
   claimed twice; the rest comes back sorted by region, the one order every member sums in;
 * on two real DHT nodes: a member of the round fetches the payload and it is counted as served once it was read
   to its end; a peer outside the round's group is refused (an empty stream, counted); a payload whose bytes do
@@ -28,10 +28,11 @@ def test_members_with_malformed_or_conflicting_metadata_are_left_out():
     members = [("p1", meta("b")), ("p2", meta("a")), ("p3", "not a mapping"), ("p4", {"region": "c"}),
                ("p5", meta("d", tokens=0)), ("p6", meta("e", tokens=1.5)), ("p7", meta("f", size=99)),
                ("p8", meta("g", decoder="other")), ("p9", meta("h", digest="short")),
-               ("p10", meta("x")), ("p11", meta("x"))]
-    valid, left_out = _checked_members(members, size=100, decoder="d")
-    assert valid == [("p2", "a", 10, DIGEST), ("p1", "b", 10, DIGEST)]
-    assert sorted(left_out) == sorted(f"p{i}" for i in range(3, 12))
+               ("p10", meta("x")), ("p11", meta("x")), ("p12", meta("i", tokens=1001)),
+               ("p13", meta("j", tokens=1000))]
+    valid, left_out = _checked_members(members, size=100, decoder="d", max_tokens=1000)
+    assert valid == [("p2", "a", 10, DIGEST), ("p1", "b", 10, DIGEST), ("p13", "j", 1000, DIGEST)]
+    assert sorted(left_out) == sorted(f"p{i}" for i in range(3, 13))
 
 
 @pytest.fixture(scope="module")

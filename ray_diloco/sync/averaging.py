@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
+import math
 import multiprocessing as mp
 import re
 import threading
@@ -164,9 +165,11 @@ class RegionAverager:
                  matchmaking_seconds: float = 5.0, averaging_timeout: float = 60.0,
                  announce_maddrs: list[str] | None = None, dht: DHT | None = None, port: int = 0,
                  part_size_bytes: int = 2**19, next_chunk_timeout: float | None = None,
-                 secret: bytes | None = None, members_key: str | None = None):
+                 secret: bytes | None = None, members_key: str | None = None, max_weight: float = math.inf):
         """secret: the run's secret (`auth.py`): our DHT signs and checks every record with it. members_key
-        (with a secret): the DHT key whose valid records name the run's peers; only they may join our groups."""
+        (with a secret): the DHT key whose valid records name the run's peers; only they may join our groups.
+        max_weight: the largest weight a peer may declare (`ExperimentConfig.max_round_tokens`); a sender
+        beyond it is left out of the parts we reduce."""
         if compression not in CODEC_NAMES:
             raise ValueError(f"compression {compression!r} is unknown; choose one of {CODEC_NAMES}")
         if expected_regions < 1:
@@ -181,6 +184,7 @@ class RegionAverager:
         # Hivemind: request_timeout must stay below min_matchmaking_time, or matchmaking may deadlock.
         self.request_timeout = min(3.0, 0.5 * self.matchmaking_seconds)
         self.part_size_bytes = part_size_bytes
+        self.max_weight = float(max_weight)
         # None: a stalled peer holds the round until averaging_timeout (then every peer reports it
         # inconsistent). A value bans a sender / drops a reducer after that many seconds without a chunk;
         # the round still ends inconsistent, only sooner, at the risk of false alarms on a slow WAN (a
@@ -378,6 +382,7 @@ class RegionAverager:
             # A sender reads our last replies behind the link's backlog: shutting down first would cut it off;
             # a quarter of the round's time, so that the wait itself leaves the round inside averaging_timeout.
             allow_state_sharing=False, served_timeout=0.25 * self.averaging_timeout, members_key=self.members_key,
+            max_weight=self.max_weight,
             on_reject=self._report_rejection if self._rejections is not None else None,
             members=self._known_members(self.request_timeout) if self.members_key else (),
             shutdown_timeout=2.0,

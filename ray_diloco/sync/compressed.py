@@ -35,20 +35,21 @@ logger = logging.getLogger("ray_diloco.sync.actor")
 # The group's all-reduce carries a marker of this many values: hivemind gives every member a part to reduce (a
 # member without one would be a client, which the exact all-reduce does not run), so a group of up to 256.
 MARKER_VALUES = 256
-MAX_TOKENS = 2**53  # a peer's token count beyond this is malformed (a float would no longer hold it exactly)
 SERVED_WAIT_SECONDS = 10.0  # after our fetches, how long we wait for the others to have fetched ours
 
 
-def _checked_members(members: list[tuple[str, dict]], size: int,
-                     decoder: str) -> tuple[list[tuple[str, str, int, str]], list]:
+def _checked_members(members: list[tuple[str, dict]], size: int, decoder: str,
+                     max_tokens: int) -> tuple[list[tuple[str, str, int, str]], list]:
     """((peer, region, tokens, digest) sorted by region, the peers left out): a peer's metadata must name a region
     no other member claims, a payload of exactly our size for our decoder (method, settings, model, DCT basis)
-    with a digest, and positive tokens. Every member holds the same list, so every member leaves out the same."""
+    with a digest, and tokens in [1, max_tokens] (`ExperimentConfig.max_round_tokens`: the sum is weighted by
+    tokens, so no member may outweigh the run's largest region). Every member holds the same list, so every
+    member leaves out the same."""
     valid, left_out = [], []
     for peer, data in members:
         try:
             region, tokens = data["region"], data["tokens"]
-            ok = (isinstance(region, str) and isinstance(tokens, int) and 0 < tokens <= MAX_TOKENS
+            ok = (isinstance(region, str) and isinstance(tokens, int) and 0 < tokens <= max_tokens
                   and isinstance(data["payload_digest"], str) and len(data["payload_digest"]) == 32
                   and data["payload_bytes"] == size and data["decoder"] == decoder)
         except (TypeError, KeyError):
@@ -119,7 +120,8 @@ class CompressedRounds:
         for peer, what in self.averager.take_rejections():
             self.peer_rejected(peer, what)
         own_peer = str(self.averager.dht.peer_id)
-        members, left_out = _checked_members(formed.members, len(payload), decoder)
+        bound = self.config.max_round_tokens()
+        members, left_out = _checked_members(formed.members, len(payload), decoder, bound)
         for peer in left_out:
             if peer != own_peer:
                 self.peer_rejected(peer, "a round with malformed or conflicting payload metadata")

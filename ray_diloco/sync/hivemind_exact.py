@@ -62,6 +62,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import math
 import signal
 import time
 from typing import AsyncIterator, Optional, Sequence
@@ -97,8 +98,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     the tensor payload plus a few bytes of framing; libp2p/noise/yamux framing is not counted).
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, max_weight: float = math.inf, **kwargs):
         super().__init__(**kwargs)
+        self.max_weight = max_weight  # a sender's declared weight beyond it is refused (check_part)
         assert self.modes[self.ordered_peer_ids.index(self.peer_id)] == AveragingMode.NODE, "only NODE peers"
         # A failed reducer's part then keeps the local *value* (not a zero delta); see failed_size.
         self.tensor_part_container.return_deltas = False
@@ -241,7 +243,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.bytes_received += nbytes
                 shapes = self.tensor_part_reducer.part_shapes
                 expected = shapes[part_index] if part_index < len(shapes) else torch.Size([-1])  # extra: refused
-                check_part(tensor_part, expected, weight, f"sender {self.sender_peer_ids[sender_index]}")
+                check_part(tensor_part, expected, weight, f"sender {self.sender_peer_ids[sender_index]}",
+                           self.max_weight)
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -310,7 +313,7 @@ class ExactAverager(DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
                  served_timeout: float = 10.0, members_key: Optional[str] = None, on_reject=None, members=(),
-                 **kwargs):
+                 max_weight: float = math.inf, **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # members_key (a run with a secret): only peers that a valid record under it names may join our group.
         # on_reject(peer, what) runs in the forked child: it must hand the refusal to the parent (a queue).
@@ -319,6 +322,7 @@ class ExactAverager(DecentralizedAverager):
         names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
         self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
         self.served_timeout = served_timeout
+        self.max_weight = max_weight
         self._round_stats: Optional[dict] = None  # started by the caller: run_in_background()
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
@@ -362,6 +366,7 @@ class ExactAverager(DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            max_weight=self.max_weight,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"

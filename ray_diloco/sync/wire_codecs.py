@@ -127,13 +127,15 @@ def decode_part(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     return part
 
 
-def check_part(part: torch.Tensor, expected: torch.Size, weight: float, who: str) -> None:
+def check_part(part: torch.Tensor, expected: torch.Size, weight: float, who: str,
+               max_weight: float = math.inf) -> None:
     """A received part against the one it answers (ours of the same index): the same shape (a scalar would
-    broadcast over the whole part), and a finite, positive weight."""
+    broadcast over the whole part), and a positive weight of at most `max_weight` (the tokens the run's largest
+    region trains in a round: a sender must not outweigh it)."""
     if part.shape != expected:
         raise ValueError(f"{who} sent a part of shape {tuple(part.shape)} for one of {tuple(expected)}")
-    if not (math.isfinite(weight) and weight > 0):
-        raise ValueError(f"{who} sent a part with weight {weight}")
+    if not (math.isfinite(weight) and 0 < weight <= max_weight):
+        raise ValueError(f"{who} sent a part with weight {weight} (must lie in (0, {max_weight:g}])")
 
 
 def roundtrip(codec: CompressionBase, part: torch.Tensor) -> torch.Tensor:
