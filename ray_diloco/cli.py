@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from ray_diloco.methods.settings import COMPRESSED, COMPRESSED_LR, METHODS
+from ray_diloco.methods.settings import AGGREGATIONS, COMPRESSED, COMPRESSED_LR, METHODS
 from ray_diloco.sync.codecs import CODEC_NAMES
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, fresh_run_name
 from ray_diloco.presets import DEFAULT_PRESET, PRESETS, get_preset
@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "sets outer momentum 0 and the papers' outer lr 1.0 unless --outer-lr is given)")
     train.add_argument("--outer-lr", type=float, metavar="LR", help="the outer learning rate")
     train.add_argument("--topk", type=int, metavar="K", help="values sent per chunk by sparseloco / dct")
+    train.add_argument("--aggregation", choices=AGGREGATIONS,
+                       help="how a round combines the regions' Δ: mean (token-weighted) or clipped (each cut to "
+                            "outer.clip_factor × the median norm first: a poisoned Δ moves the model a bounded "
+                            "amount); every region of a run must use the same")
     train.add_argument("--data", metavar="PATH_OR_GLOB", help="training files in the C4 json.gz layout")
     train.add_argument("--eval-data", metavar="PATH_OR_GLOB", help="held-out files for evaluation")
     train.add_argument("--output-dir", metavar="DIR", help="results go to DIR/<run-name>/ (a directory or an s3://, "
@@ -197,6 +201,8 @@ def _outer_method_flags(outer, args: argparse.Namespace):
         outer = replace(outer, method=args.outer_method)
     if args.outer_lr is not None:
         outer = replace(outer, lr=args.outer_lr)
+    if args.aggregation is not None:
+        outer = replace(outer, aggregation=args.aggregation)
     if args.topk is not None:
         try:
             outer = replace(outer, topk=args.topk)

@@ -200,6 +200,13 @@ class OuterConfig:
     """Bits of each value sparseloco sends (1, 2, 4 or 8)."""
     error_decay: float = 0.95
     """β: sparseloco's error feedback e ← β·e + Δ; dct's momentum m ← β·m + Δ."""
+    aggregation: str = "mean"
+    """How a round combines the regions' Δ (or payloads): 'mean', token-weighted; 'clipped', each region's
+    contribution first scaled down to at most clip_factor × the median of their norms, so that a member sending
+    a poisoned Δ moves θ_global by a bounded amount. Every region of a run must use the same (regions that differ
+    never share a round). See ray_diloco.sync.aggregation."""
+    clip_factor: float = 2.0
+    """c of the clipped aggregation: a contribution's norm is cut to c × the median norm."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "outer.lr", f"must be > 0, got {self.lr}")
@@ -217,6 +224,11 @@ class OuterConfig:
         _require(0 <= self.port <= 65535, "outer.port", f"must be a TCP port (0: any free one), got {self.port}")
         _require(self.state_download_mbps > 0, "outer.state_download_mbps", "must be > 0 (Mbit/s)")
         _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")
+        from ray_diloco.methods.settings import AGGREGATIONS
+
+        _require(self.aggregation in AGGREGATIONS, "outer.aggregation",
+                 f"must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        _require(self.clip_factor >= 1, "outer.clip_factor", f"must be >= 1, got {self.clip_factor}")
         self._check_method()
         _require(
             self.averaging_timeout > self.matchmaking_seconds,

@@ -35,6 +35,7 @@ from ray_diloco.methods import dct
 from ray_diloco.methods.chunks import chunk_count, from_chunks, scatter_chunks, to_chunks, top_k_per_chunk
 from ray_diloco.methods.quantize import dequantize, pack_codes, quantize, unpack_codes
 from ray_diloco.methods.settings import COMPRESSED, MethodSettings
+from ray_diloco.sync.aggregation import scales_of
 from ray_diloco.sync.codecs import power_of_two_scale
 
 MAGIC = b"RDM1"
@@ -152,25 +153,32 @@ class Compressor:
         return values, offset + 4 + 2 * count
 
     def aggregate(self, weighted: Sequence[tuple[float, bytes]]) -> dict[str, torch.Tensor]:
-        """Σ wᵢ·decode(payloadᵢ) / Σ wᵢ by name, summed in the order given, every operation rounded once."""
-        return self.aggregate_decoded([(w, self.decode_payload(payload)) for w, payload in weighted])
+        """Σ wᵢ·sᵢ·decode(payloadᵢ) / Σ wᵢ by name (sᵢ: 1 under the mean, the clip scale of `aggregation.py`
+        under clipped), summed in the order given, every operation rounded once."""
+        return self.aggregate_decoded([(w, self.decode_payload(payload)) for w, payload in weighted])[0]
 
-    def aggregate_decoded(self, weighted: Sequence[tuple[float, dict]]) -> dict[str, torch.Tensor]:
-        """`aggregate` of payloads `decode_payload` has checked and decoded already."""
+    def aggregate_decoded(self, weighted: Sequence[tuple[float, dict]]) -> tuple[dict[str, torch.Tensor],
+                                                                                 list[float]]:
+        """`aggregate` of payloads `decode_payload` has checked and decoded already, and each payload's smallest
+        clip scale over the tensors (1.0: not clipped). A tensor's norm is its sent values' (the DCT is
+        orthonormal: its coefficients' norm is the chunk's)."""
         if not weighted or any(not w > 0 for w, _ in weighted):
             raise ValueError("need at least one payload, each with a positive weight (tokens)")
+        s = self.settings
         total = float(sum(w for w, _ in weighted))
-        decoded = [(w / total, parts) for w, parts in weighted]
-        averaged = {}
+        averaged, smallest = {}, [1.0] * len(weighted)
         for name, shape in self.shapes.items():
-            acc = torch.zeros(chunk_count(shape.numel(), self.settings.chunk_size), self.settings.chunk_size)
-            for share, parts in decoded:
+            scales = scales_of([parts[name][1] for _, parts in weighted], s.aggregation, s.clip_factor)
+            acc = torch.zeros(chunk_count(shape.numel(), s.chunk_size), s.chunk_size)
+            for i, ((weight, parts), scale) in enumerate(zip(weighted, scales)):
                 indices, values = parts[name]
-                acc = torch.add(acc, torch.mul(scatter_chunks(indices, values, self.settings.chunk_size), share))
-            if self.settings.name == "dct":
+                share = weight / total if scale == 1.0 else weight * scale / total  # the mean's bits unchanged
+                acc = torch.add(acc, torch.mul(scatter_chunks(indices, values, s.chunk_size), share))
+                smallest[i] = min(smallest[i], scale)
+            if s.name == "dct":
                 acc = dct.inverse_exact(acc)
             averaged[name] = from_chunks(acc, shape)
-        return averaged
+        return averaged, smallest
 
     # -- state (part of the region's checkpoint) ----------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 METHODS = ("diloco", "sparseloco", "dct")
 COMPRESSED = ("sparseloco", "dct")
+AGGREGATIONS = ("mean", "clipped")  # how a round combines the regions' contributions (ray_diloco.sync.aggregation)
 # SparseLoCo: its paper's and code's settings, 4096 values per chunk (its 64×64 blocks) with top-128 (3.1 %),
 # 2-bit values, β = 0.95. dct: ours, not a paper's. DeMo's code uses 2D 64×64 blocks with top-32 (0.8 %) and
 # β = 0.999 per inner step; we cut 1D chunks of 64 (chunks.py says why) and take k = 2 (1/32 of the
@@ -22,10 +23,14 @@ class MethodSettings:
     topk: int
     bits: int  # sparseloco's value bits (dct sends fp16)
     decay: float  # β of the error feedback / of the region's momentum
+    # How every member combines the payloads (ray_diloco.sync.aggregation): part of the decoder digest, so members
+    # that would sum differently never share a round.
+    aggregation: str = "mean"
+    clip_factor: float = 2.0
 
     @classmethod
     def of(cls, outer) -> "MethodSettings":
         """From an OuterConfig of a compressed method (0 in chunk_size / topk: the method's default)."""
         defaults = DEFAULTS[outer.method]
         return cls(outer.method, outer.chunk_size or defaults["chunk_size"], outer.topk or defaults["topk"],
-                   outer.quantization_bits, outer.error_decay)
+                   outer.quantization_bits, outer.error_decay, outer.aggregation, outer.clip_factor)

@@ -119,7 +119,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
             host=network.host, port=network.port, matchmaking_seconds=cfg.outer.matchmaking_seconds,
             averaging_timeout=cfg.outer.averaging_timeout, announce_maddrs=list(network.announce) or None,
             secret=secret, members_key=state_key(cfg.run.name) if secret else None,
-            max_weight=float(cfg.max_round_tokens()),
+            max_weight=float(cfg.max_round_tokens()), aggregation=cfg.outer.aggregation,
+            clip_factor=cfg.outer.clip_factor,
         )
         # Every region publishes (outer step, digest of θ_global) and serves its outer state, so a late
         # region re-syncs and a joining one starts from the run's state. A killed region's record

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind import DHT
 
+from ray_diloco.methods.settings import AGGREGATIONS
 from ray_diloco.sync.auth import RecordAuthenticator, member_keys, members_named
 from ray_diloco.sync.codecs import CODEC_NAMES, count_nonfinite, get_codec
 from ray_diloco.sync.hivemind_exact import ExactAverager
@@ -69,6 +70,9 @@ class RoundResult:
     payload_bytes: int = 0  # a compressed method's round: the size of this region's payload (methods/)
     # A compressed method's round: the region's compressor state after it, stored when its outer step applies.
     method_state: dict[str, torch.Tensor] | None = None
+    # outer.aggregation 'clipped': region -> the smallest scale its contribution got (only those clipped); in a
+    # dense round, from the parts this region reduced.
+    clipped: dict[str, float] = field(default_factory=dict)
 
     @property
     def digest(self) -> str:
@@ -165,11 +169,13 @@ class RegionAverager:
                  matchmaking_seconds: float = 5.0, averaging_timeout: float = 60.0,
                  announce_maddrs: list[str] | None = None, dht: DHT | None = None, port: int = 0,
                  part_size_bytes: int = 2**19, next_chunk_timeout: float | None = None,
-                 secret: bytes | None = None, members_key: str | None = None, max_weight: float = math.inf):
+                 secret: bytes | None = None, members_key: str | None = None, max_weight: float = math.inf,
+                 aggregation: str = "mean", clip_factor: float = 2.0):
         """secret: the run's secret (`auth.py`): our DHT signs and checks every record with it. members_key
         (with a secret): the DHT key whose valid records name the run's peers; only they may join our groups.
         max_weight: the largest weight a peer may declare (`ExperimentConfig.max_round_tokens`); a sender
-        beyond it is left out of the parts we reduce."""
+        beyond it is left out of the parts we reduce. aggregation 'clipped': the parts we reduce are clipped to
+        clip_factor × their median norm first (ray_diloco.sync.aggregation)."""
         if compression not in CODEC_NAMES:
             raise ValueError(f"compression {compression!r} is unknown; choose one of {CODEC_NAMES}")
         if expected_regions < 1:
@@ -185,6 +191,9 @@ class RegionAverager:
         self.request_timeout = min(3.0, 0.5 * self.matchmaking_seconds)
         self.part_size_bytes = part_size_bytes
         self.max_weight = float(max_weight)
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
+        self.clip_factor = float(clip_factor) if aggregation == "clipped" else None
         # None: a stalled peer holds the round until averaging_timeout (then every peer reports it
         # inconsistent). A value bans a sender / drops a reducer after that many seconds without a chunk;
         # the round still ends inconsistent, only sooner, at the risk of false alarms on a slow WAN (a
@@ -351,6 +360,7 @@ class RegionAverager:
             problems.append(f"{stats.get('banned_senders')} sender(s) dropped mid-round: some parts were "
                             f"averaged without them")
         consistent, error = not problems, "; ".join(problems) or None
+        region_of = {str(peer): str(data.get("region")) for peer, data in outcome["gathered"]}
         if error:
             logger.warning("[%s] round %d: %s", self.region, round_index, error)
         return RoundResult(
@@ -364,6 +374,7 @@ class RegionAverager:
             error=error,
             timings=timings,
             members=[(str(peer), data) for peer, data in outcome["gathered"]],
+            clipped={region_of.get(peer, peer): float(scale) for peer, scale in stats.get("clipped", {}).items()},
         )
 
     def _start_averager(self, key: tuple, deadline: float) -> tuple[ExactAverager, list[torch.Tensor]]:
@@ -382,7 +393,7 @@ class RegionAverager:
             # A sender reads our last replies behind the link's backlog: shutting down first would cut it off;
             # a quarter of the round's time, so that the wait itself leaves the round inside averaging_timeout.
             allow_state_sharing=False, served_timeout=0.25 * self.averaging_timeout, members_key=self.members_key,
-            max_weight=self.max_weight,
+            max_weight=self.max_weight, clip_factor=self.clip_factor,
             on_reject=self._report_rejection if self._rejections is not None else None,
             members=self._known_members(self.request_timeout) if self.members_key else (),
             shutdown_timeout=2.0,

@@ -168,9 +168,11 @@ class CompressedRounds:
         """`weighted`: (tokens, payload or its decoded parts) in region order."""
         decoded = [(w, parts if isinstance(parts, dict) else self.compressor.decode_payload(parts))
                    for w, parts in weighted]
-        return RoundResult(self.compressor.aggregate_decoded(decoded), len(weighted), sorted(regions), bytes_sent,
-                           bytes_received, time.monotonic() - start, consistent, error, dict(timings or {}),
-                           payload_bytes=payload_bytes)
+        averaged, scales = self.compressor.aggregate_decoded(decoded)
+        clipped = {region: scale for region, scale in zip(regions, scales) if scale < 1.0}
+        return RoundResult(averaged, len(weighted), sorted(regions), bytes_sent, bytes_received,
+                           time.monotonic() - start, consistent, error, dict(timings or {}),
+                           payload_bytes=payload_bytes, clipped=clipped)
 
     def _stop_compressor(self) -> None:
         if self.payloads is not None:

@@ -50,6 +50,8 @@ MSGPackSerializer, get_dht_time):
   `_background_thread_fetch_current_state`); `StepControl(...)`, `.attach`, `.allow_allreduce`,
   `.began_allreduce`, `GroupInfo`, `MPFuture`; hivemind.utils.asyncio's `amap_in_executor`; `NoCompression`'s
   2-byte "bfloat16" buffer format and `deserialize_torch_tensor`.
+* `ray_diloco.sync.clipped_reducer`: `TensorPartReducer` (subclassed; its own docstring lists what it uses), and
+  this module replaces the runner's `tensor_part_reducer` right after `AllReduceRunner.__init__` creates it.
 * `ray_diloco.sync.averaging`: the log texts "power of 2" (logger hivemind.averaging.key_manager) and "could not
   find a group" (hivemind.averaging.averager), which it filters and matches on.
 * `ray_diloco.sync.state_sharing`: `DHT._get_p2p_daemon_listen_maddr` (to replicate the DHT's p2p daemon) and
@@ -80,6 +82,7 @@ from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import amap_in_executor
 
 from ray_diloco.sync.auth import MemberGate
+from ray_diloco.sync.clipped_reducer import ClippedPartReducer
 from ray_diloco.sync.wire_codecs import check_part, decode_part, roundtrip
 
 logger = get_logger(__name__)
@@ -98,9 +101,12 @@ class ExactAllReduceRunner(AllReduceRunner):
     the tensor payload plus a few bytes of framing; libp2p/noise/yamux framing is not counted).
     """
 
-    def __init__(self, *, max_weight: float = math.inf, **kwargs):
+    def __init__(self, *, max_weight: float = math.inf, clip_factor: Optional[float] = None, **kwargs):
         super().__init__(**kwargs)
         self.max_weight = max_weight  # a sender's declared weight beyond it is refused (check_part)
+        if clip_factor is not None:  # outer.aggregation 'clipped': our parts are clipped, then averaged
+            self.tensor_part_reducer = ClippedPartReducer(self.tensor_part_reducer.part_shapes,
+                                                          len(self.sender_peer_ids), clip_factor)
         assert self.modes[self.ordered_peer_ids.index(self.peer_id)] == AveragingMode.NODE, "only NODE peers"
         # A failed reducer's part then keeps the local *value* (not a zero delta); see failed_size.
         self.tensor_part_container.return_deltas = False
@@ -298,6 +304,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             failed_size=container.failed_size,
             total_size=container.total_size,
             banned_senders=len(self.banned_senders),
+            # Senders whose parts our reducer clipped (outer.aggregation 'clipped'): peer -> smallest scale.
+            clipped=({str(self.sender_peer_ids[i]): scale for i, scale in self.tensor_part_reducer.scales.items()
+                      if scale < 1.0} if isinstance(self.tensor_part_reducer, ClippedPartReducer) else {}),
             peer_ids=[str(p) for p in self.ordered_peer_ids],
         )
 
@@ -313,16 +322,18 @@ class ExactAverager(DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, tensor_names: Sequence[str] = (),
                  served_timeout: float = 10.0, members_key: Optional[str] = None, on_reject=None, members=(),
-                 max_weight: float = math.inf, **kwargs):
+                 max_weight: float = math.inf, clip_factor: Optional[float] = None, **kwargs):
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # members_key (a run with a secret): only peers that a valid record under it names may join our group.
         # on_reject(peer, what) runs in the forked child: it must hand the refusal to the parent (a queue).
         self._gate = MemberGate(dht, members_key, self.prefix, on_reject=on_reject, members=members,
                                 lookup_seconds=0.5 * kwargs.get("request_timeout", 3.0)) if members_key else None
-        names_hash = hashlib.blake2b("\0".join(tensor_names).encode(), digest_size=16).digest()
+        # The aggregation joins it too: a region that would clip and one that would not never share a group.
+        names_hash = hashlib.blake2b("\0".join([*tensor_names, f"clip={clip_factor}"]).encode(),
+                                     digest_size=16).digest()
         self.schema_hash = hashlib.blake2b(self.schema_hash + names_hash, digest_size=20).digest()
         self.served_timeout = served_timeout
-        self.max_weight = max_weight
+        self.max_weight, self.clip_factor = max_weight, clip_factor
         self._round_stats: Optional[dict] = None  # started by the caller: run_in_background()
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
@@ -367,6 +378,7 @@ class ExactAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             max_weight=self.max_weight,
+            clip_factor=self.clip_factor,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"

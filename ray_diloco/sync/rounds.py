@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,17 @@ from ray_diloco.sync.outer import state_digest
 from ray_diloco.sync.policy import FINISHED, OUT, UNSETTLED
 
 logger = logging.getLogger("ray_diloco.sync.actor")  # the actor's log: one stream per region
+POISON_ENV_VAR = "RAY_DILOCO_TEST_POISON"  # tests and benchmarks only: "<region>:<factor>"
+
+
+def poisoned_for_test(region: str, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tests and benchmarks only: the region named in RAY_DILOCO_TEST_POISON sends its Δ times the factor given
+    (a member with the secret sending a poisoned Δ, ×1000 or sign-flipped: benchmarks/poisoned.py). Read at run
+    time, so a job's environment sets it."""
+    name, _, factor = os.environ.get(POISON_ENV_VAR, "").partition(":")
+    if name != region or not factor:
+        return delta
+    return {key: torch.mul(t, float(factor)) for key, t in delta.items()}
 
 
 @dataclass
@@ -71,7 +83,7 @@ class Rounds:
             expected = decision.expected
         rendezvous_seconds = time.perf_counter() - start
         outer_step, tokens = self.outer.step_count, sum(pending.tokens_by_rank.values())
-        result = await self._average(delta, tokens, outer_step, expected)
+        result = await self._average(poisoned_for_test(self.region, delta), tokens, outer_step, expected)
         reduce_seconds = time.perf_counter() - start
         new_global = self.outer.step(result.averaged)
         self._digest = state_digest(new_global)
@@ -137,6 +149,11 @@ class Rounds:
                   "bytes_received": result.bytes_received, "consistent": result.consistent}
         if result.payload_bytes:  # a compressed method: what this region's payload costs, per parameter
             record["payload_bytes"] = result.payload_bytes
+        if result.clipped:  # outer.aggregation 'clipped': who sent a Δ far beyond the others', by how much
+            record["clipped"] = dict(result.clipped)
+            self.record_event("contribution_clipped", outer_step=outer_step, scales=dict(result.clipped))
+            logger.warning("[%s] outer step %d: contributions clipped to %g x the median norm: %s", self.region,
+                           outer_step + 1, self.config.outer.clip_factor, result.clipped)
         if wire:
             record["average_seconds"] = round(result.seconds, 3)
             self.bytes_sent += result.bytes_sent
