@@ -10,7 +10,8 @@ authentication cannot keep it out.
 
 Arms: clean-mean, clean-clipped (what clipping costs without an attacker), poisoned-mean, poisoned-clipped,
 flipped-clipped (Δ × -1: the sign-flip the clipping does not catch). Finished arms are read back (resumable);
-writes poisoned.json and poisoned.md.
+writes poisoned.json and poisoned.md. "clipped events" counts `contribution_clipped` events: one per region
+per round in which that region saw a contribution clipped.
 """
 
 from __future__ import annotations

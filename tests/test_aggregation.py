@@ -1,11 +1,15 @@
 """How a round combines the regions' contributions (ray_diloco.sync.aggregation), against hand-computed values:
 
+* the norm is the same in any order of summation (members of a compressed round clip for themselves);
 * the lower median, the clip scales, and the clipped mean of three Δ one of which is ×1000;
 * under `mean` every scale is 1 and the result is the token-weighted mean;
 * a property (hypothesis): under `clipped`, every contribution after its scale and the result itself have a norm of
   at most c × the median norm, whatever one member sends (×10⁶, sign-flipped, zeros);
 * a compressed method's aggregate under `clipped` (Compressor.aggregate_decoded): the inflated payload is scaled by
-  c × median / its norm, per tensor, and the result is that weighted sum.
+  c × median / its norm, per tensor, and the result is that weighted sum;
+* over real Hivemind (RegionAverager, the dense all-reduce): a sender declaring more tokens than the run's largest
+  region trains is left out of the parts an honest reducer reduces; under `clipped` three regions, one sending
+  1000 × its Δ, still hold the same bytes, the average stays of the honest Δs' size, and each region names it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_averaging import SHAPES, assert_identical, make_delta, run_round, shutdown, start_regions
+
 from ray_diloco.methods.compressors import Compressor
 from ray_diloco.methods.settings import MethodSettings
-from ray_diloco.sync.aggregation import clip_scales, combine, lower_median
+from ray_diloco.sync.aggregation import clip_scales, combine, exact_norm, lower_median
+from ray_diloco.sync.codecs import get_codec
 
 
 def test_the_lower_median_and_the_clip_scales():
@@ -27,6 +34,14 @@ def test_the_lower_median_and_the_clip_scales():
     assert lower_median([4.0, 1.0, 3.0, 2.0]) == 2.0  # even count: the lower middle value
     assert clip_scales([1.0, 2.0, 100.0], factor=2.0) == [1.0, 1.0, 0.04]  # bound 2 × 2 = 4
     assert clip_scales([0.0, 0.0, 5.0], factor=2.0) == [1.0, 1.0, 0.0]  # a median of zero clips the rest to zero
+
+
+def test_the_norm_is_the_same_in_any_order_of_summation():
+    """Members of a compressed round clip for themselves: their norms must agree to the last bit on any machine."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-8, 8, 100_000)
+    shuffled = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(1))]
+    assert exact_norm(x) == exact_norm(x.flip(0)) == exact_norm(shuffled) == exact_norm(x.reshape(100, 1000))
+    assert exact_norm(x) == pytest.approx(float(torch.linalg.vector_norm(x.double())), rel=1e-12)
 
 
 def test_a_delta_scaled_by_1000_is_cut_to_c_times_the_median_norm():
@@ -82,3 +97,46 @@ def test_a_compressed_aggregate_clips_the_inflated_payload_per_tensor():
     # A region that would take the plain mean decodes the same payloads to another result: its digest differs.
     plain = Compressor(MethodSettings("sparseloco", 16, 4, 8, 0.0), shapes)
     assert plain.decoder_digest() != regions[0].decoder_digest()
+
+
+def test_a_sender_declaring_more_tokens_than_any_region_trains_is_left_out_of_our_parts():
+    """issue 24: Δ is averaged weighted by the tokens each sender declares; a member declaring 10^12 took every
+    part it sent (the mean was its Δ). Past max_weight (`ExperimentConfig.max_round_tokens`: the run's largest
+    region's tokens per round) a reducer refuses the sender's parts: the parts r0 reduces hold r0's Δ alone, and
+    r0 reports the round inconsistent. (The parts the inflated member reduces itself it controls anyway: a
+    butterfly all-reduce trusts each reducer with its part; the compressed methods' all-gather does not.)"""
+    # Parts of 1,024 values: each region reduces about half of them, whichever order the group has.
+    regions = start_regions(2, run_id="weights", max_weight=1000.0, part_size_bytes=2**12)
+    deltas = [make_delta(seed=0), make_delta(seed=1)]
+    try:
+        honest, _ = run_round([(regions[0], deltas[0], 1000.0, 0), (regions[1], deltas[1], 1e12, 0)])
+    finally:
+        shutdown(regions)
+    codec = get_codec("fp16")
+    own = torch.cat([codec.roundtrip(deltas[0][name]).reshape(-1) for name in SHAPES])
+    got = torch.cat([honest.averaged[name].reshape(-1) for name in SHAPES])
+    assert (got == own).float().mean() > 0.3  # r0's own part: its Δ alone (the old code: the inflated Δ's)
+    assert not honest.consistent
+
+
+def test_clipped_aggregation_bounds_a_poisoned_delta_and_every_region_names_it():
+    """issue 24, outer.aggregation 'clipped' (ray_diloco.sync.aggregation): r2 sends 1000 × a Δ. Each reducer clips
+    its parts to 2 × the median norm of that part: the three regions still hold the same bytes, the average stays
+    of the honest Δs' size (under the mean it would be ~333× it), and every region names r2 as clipped."""
+    regions = start_regions(3, run_id="clipped", compression="scaled-fp16", aggregation="clipped", clip_factor=2.0,
+                            part_size_bytes=2**12)  # every region reduces parts of every tensor
+    g = torch.Generator().manual_seed(0)
+    deltas = [{name: 1e-2 * torch.randn(shape, generator=g) for name, shape in SHAPES.items()} for _ in range(3)]
+    deltas[2] = {name: 1000 * t for name, t in deltas[2].items()}
+    try:
+        results = run_round([(a, d, 1000.0, 0) for a, d in zip(regions, deltas)])
+    finally:
+        shutdown(regions)
+    assert_identical(results)
+    assert all(r.consistent and r.group_size == 3 for r in results)
+
+    def norm(tensors):
+        return float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in tensors.values()])))
+    assert norm(results[0].averaged) <= 2 * max(norm(deltas[0]), norm(deltas[1]))
+    for result in results:
+        assert list(result.clipped) == ["r2"] and result.clipped["r2"] < 0.01, result.clipped

@@ -78,7 +78,9 @@ def heads(tmp_path):
 
     yield start
     for head in started:
-        head.stop()
+        head.begin_stop()
+    for head in started:
+        head.finish_stop()
 
 
 def test_two_clusters_find_each_other_train_together_and_agree(heads, tmp_path):

@@ -8,6 +8,10 @@ For sparseloco and for dct, three rounds with one worker per region and unequal 
 * each region's payload went to the two others (bytes sent ≥ 2 payloads) and is far smaller than dense fp16;
 * killed and restarted equals uninterrupted: three new actors resumed from the checkpoints of outer step 2
   (θ_global, and each region's error feedback / momentum) repeat round 3 and reach the same bits;
+* overlapped rounds (outer.overlap, sparseloco): every round runs while the workers train on, and θ_global is
+  still bit-identical on every region and equals the recomputed steps;
+* a round abandoned after its payload was made leaves the error feedback as it was; the next round stores exactly
+  what a fresh compressor keeps after that round's Δ;
 * an absent region and a re-sync (sparseloco): r2's Δ is NaN in round 2, so it sits out; r0 and r1 average as two
   (group 2, both consistent) and r2 takes their state with its error feedback reset to zero (the stated rule:
   what it owed was on the θ it left); in round 3 all three are one group again and agree bit for bit.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -25,6 +30,7 @@ from conftest import small_run
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.methods.compressors import Compressor
 from ray_diloco.methods.settings import MethodSettings
+from ray_diloco.sharding import from_wire
 from ray_diloco.sync.actor import SyncActorImpl
 from ray_diloco.sync.outer import state_digest
 
@@ -154,3 +160,79 @@ def test_a_region_that_sits_out_resyncs_with_its_error_feedback_reset_and_rejoin
     assert r2_state_after_resync == {}  # re-synced: starts its error feedback at zero
     assert all(third[r][0]["group_size"] == 3 and third[r][0]["consistent"] for r in REGIONS)
     assert len({digest for _, digest in third.values()}) == 1
+
+
+def test_overlapped_compressed_rounds_agree_and_equal_the_recomputed_steps(tmp_path):
+    cfg = config(tmp_path, "sparseloco")
+    cfg["outer"]["overlap"] = True
+    cfg["run"]["checkpoint_every"] = 0  # a checkpointed round blocks
+    actors = start(cfg)
+    try:
+        initial = actors["r0"].global_state()
+
+        async def overlapped_rounds():
+            handed = {region: (0, actor.global_state()) for region, actor in actors.items()}
+            for step in range(ROUNDS):  # the workers train from what they were handed, told which step is next
+                results = await asyncio.gather(*(
+                    actors[r].exchange(handed[r][0], 0, 1, local(handed[r][1], r, step), tokens=TOKENS[r])
+                    for r in REGIONS))
+                handed = {r: (reached, from_wire(rows)) for r, (reached, rows, _) in zip(REGIONS, results)}
+            await asyncio.gather(*(actor._finish_in_flight() for actor in actors.values()))  # the last in flight
+
+        asyncio.run(overlapped_rounds())
+        rounds = {region: actor.history for region, actor in actors.items()}
+        recorded = {region: actor.recorded for region, actor in actors.items()}
+    finally:
+        stop(actors)
+    for region in REGIONS:
+        assert [(r["overlapped"], r["group_size"], r["consistent"]) for r in rounds[region]] == [(True, 3, True)] * 3
+    digests = [rounds["r0"][step]["digest"] for step in range(ROUNDS)]
+    assert all([r["digest"] for r in rounds[region]] == digests for region in REGIONS)
+    assert digests == recomputed(cfg, initial, recorded)
+
+
+def test_an_abandoned_compressed_round_leaves_the_error_feedback_as_it_was(tmp_path):
+    """A compressed method's round abandoned after its payload was made (its executor thread runs on): the next
+    round's Δ holds this window again, so the error feedback must not have absorbed it (it did: compress moved it
+    at once, and the next round counted the window twice). It moves with the outer step: the round that applies
+    stores exactly what a fresh compressor keeps after that round's Δ."""
+    cfg = config(tmp_path, "sparseloco")
+    cfg["regions"] = cfg["regions"][:1]
+    actor = SyncActorImpl(cfg, "r0")  # one region: no Hivemind needed
+    made, release = threading.Event(), threading.Event()
+    real = actor._average_compressed
+
+    def stuck_after_the_payload(*args):
+        result = real(*args)
+        made.set()
+        release.wait(30)  # the exchange, stuck past the round's bound
+        return result
+
+    try:
+        actor._average_compressed = stuck_after_the_payload
+
+        async def a_round_abandoned():
+            round_ = asyncio.ensure_future(actor.exchange(0, 0, 1, local(actor.global_state(), "r0", 0),
+                                                          tokens=1000))
+            while not made.is_set():
+                await asyncio.sleep(0.01)
+            round_.cancel()  # as _abandon_in_flight cancels it
+            await asyncio.sleep(0)
+            release.set()
+            return round_
+
+        assert asyncio.run(a_round_abandoned()).cancelled()
+        abandoned = (dict(actor.compressor.state), actor.outer.step_count)
+        actor._average_compressed = real
+        before = actor.global_state()
+        trained = local(before, "r0", 1)
+        asyncio.run(actor.exchange(0, 0, 1, trained, tokens=1000))
+        applied = (actor.compressor.state_dict(), actor.outer.step_count)
+    finally:
+        release.set()
+        actor.shutdown()
+    assert abandoned == ({}, 0)
+    fresh = Compressor(MethodSettings.of(ExperimentConfig.from_dict(cfg).outer), actor.shapes)
+    fresh.compress({name: before[name] - trained[name] for name in before})
+    assert applied[1] == 1 and applied[0].keys() == fresh.state.keys()
+    assert all(torch.equal(applied[0][name], fresh.state[name]) for name in fresh.state)

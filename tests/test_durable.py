@@ -2,6 +2,8 @@
 (`policy.with_stored`), and how a run that did not end on one θ_global is reported (`outcome.agreement`, the
 CLI's exit status). The real-process case is tests/test_late_regions.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,6 +47,13 @@ def test_a_stored_state_that_does_not_match_its_record_or_the_model_is_refused(t
         durable.load_state(wrong_digest, SHAPES)
     with pytest.raises(ValueError, match="this model's parameters and shapes"):
         durable.load_state(stored, {**SHAPES, "b": torch.Size([4])})
+    _, momentum = state(0)
+    named = durable.StoredRecord(dataclasses.replace(stored.record, momentum_digest=state_digest(momentum)),
+                                 stored.location)
+    assert durable.load_state(named, SHAPES)[0] == 4  # the momentum its record names
+    other = durable.StoredRecord(dataclasses.replace(stored.record, momentum_digest="0" * 32), stored.location)
+    with pytest.raises(ValueError, match="momentum does not match"):
+        durable.load_state(other, SHAPES)
     with pytest.raises(FileNotFoundError):  # not a committed checkpoint
         durable.load_state(durable.StoredRecord(stored.record, str(tmp_path / "nowhere")), SHAPES)
 

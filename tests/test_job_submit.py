@@ -87,9 +87,16 @@ class Head:
         return done
 
     def stop(self):
+        self.begin_stop()
+        self.finish_stop()
+
+    def begin_stop(self):
+        """Several heads stop together: each drains for seconds, and one after the other cost their sum."""
         # SIGTERM to `ray start` alone: it drains the node through its GCS, then stops its processes (~3 s). To
         # the whole group, the GCS died first and the drain waited for it until its timeout (33-60 s per head).
         self.process.send_signal(signal.SIGTERM)
+
+    def finish_stop(self):
         try:
             self.process.wait(60)
         except subprocess.TimeoutExpired:

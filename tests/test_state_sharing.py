@@ -113,7 +113,8 @@ class Region:
         return self.step, self.theta, self.momentum
 
     def record(self, region: str, group_size: int) -> StateRecord:
-        return StateRecord(region, self.step, state_digest(self.theta), group_size)
+        return StateRecord(region, self.step, state_digest(self.theta), group_size,
+                           momentum_digest=state_digest(self.momentum))
 
 
 REGION_SCHEMA = {name: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in Region(0).theta.items()}
@@ -176,6 +177,19 @@ def test_load_bit_identical_then_follow_updates(dhts, sharers):
 
     with pytest.raises(ValueError):  # a record that does not describe the state is refused
         a.publish(StateRecord("a", 2, "0" * 32, 2))
+
+
+def test_a_holder_serving_another_momentum_than_its_record_names_is_passed_over(dhts, sharers):
+    """issue 24: the digest covered θ_global only, so a holder could serve any momentum of the right shapes. The
+    record names the momentum's digest too: a's stream (the right θ, another momentum) is refused, b's taken."""
+    honest = Region(seed=5, step=2)
+    lying = (2, honest.theta, {name: t + 1.0 for name, t in honest.momentum.items()})
+    a = sharers(dhts[0], "momentum", "a", lambda: lying)
+    b = sharers(dhts[1], "momentum", "b", honest.get_state)
+    c = sharers(dhts[2], "momentum", "c", lambda: (0, {}, {}))
+    a.publish(honest.record("a", 2), state=lying, verify=False)  # its record names the honest momentum
+    b.publish(honest.record("b", 2))
+    assert_same_state(c.load_from_peers(want=honest.record("a", 2), timeout=30), honest)
 
 
 def test_odd_region_resyncs_to_majority(dhts, sharers):

@@ -327,58 +327,6 @@ def test_a_stuck_overlapped_round_costs_that_round_not_the_group(tmp_path):
     assert any(not torch.equal(before[n], t) for n, t in actor.global_state().items())  # the round was applied
 
 
-def test_an_abandoned_compressed_round_leaves_the_error_feedback_as_it_was(tmp_path):
-    """A compressed method's round abandoned after its payload was made (its executor thread runs on): the next
-    round's Δ holds this window again, so the error feedback must not have absorbed it (it did: compress moved it
-    at once, and the next round counted the window twice). It moves with the outer step: the round that applies
-    stores exactly what a fresh compressor keeps after that round's Δ."""
-    import threading
-
-    from ray_diloco.config import ExperimentConfig
-    from ray_diloco.methods.compressors import Compressor
-    from ray_diloco.methods.settings import MethodSettings
-
-    cfg = config(tmp_path, "abandon-feedback", [1])
-    cfg["outer"].update(method="sparseloco", momentum=0.0, nesterov=False, lr=1.0, topk=8)
-    actor = SyncActorImpl(cfg, "r0")  # one region: no Hivemind needed
-    made, release = threading.Event(), threading.Event()
-    real = actor._average_compressed
-
-    def stuck_after_the_payload(*args):
-        result = real(*args)
-        made.set()
-        release.wait(30)  # the exchange, stuck past the round's bound
-        return result
-
-    try:
-        actor._average_compressed = stuck_after_the_payload
-
-        async def a_round_abandoned():
-            round_ = asyncio.ensure_future(actor.exchange(0, 0, 1, trained(actor, 1), tokens=1000))
-            while not made.is_set():
-                await asyncio.sleep(0.01)
-            round_.cancel()  # as _abandon_in_flight cancels it
-            await asyncio.sleep(0)
-            release.set()
-            return round_
-
-        assert asyncio.run(a_round_abandoned()).cancelled()
-        abandoned = (dict(actor.compressor.state), actor.outer.step_count)
-        actor._average_compressed = real
-        before = actor.global_state()
-        local = trained(actor, 2)
-        asyncio.run(actor.exchange(0, 0, 1, local, tokens=1000))
-        applied = (actor.compressor.state_dict(), actor.outer.step_count)
-    finally:
-        release.set()
-        actor.shutdown()
-    assert abandoned == ({}, 0)
-    fresh = Compressor(MethodSettings.of(ExperimentConfig.from_dict(cfg).outer), actor.shapes)
-    fresh.compress({name: before[name] - local[name] for name in before})
-    assert applied[1] == 1 and applied[0].keys() == fresh.state.keys()
-    assert all(torch.equal(applied[0][name], fresh.state[name]) for name in fresh.state)
-
-
 def test_an_abandoned_rounds_thread_cannot_change_the_state(tmp_path):
     """An abandoned round's executor threads run on (cancelling the coroutine does not stop them): a load that
     lands after the abandonment is refused under the state lock."""

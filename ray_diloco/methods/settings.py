@@ -26,11 +26,12 @@ class MethodSettings:
     # How every member combines the payloads (ray_diloco.sync.aggregation): part of the decoder digest, so members
     # that would sum differently never share a round.
     aggregation: str = "mean"
-    clip_factor: float = 2.0
+    clip_factor: float | None = None  # clipped only: under the mean it would split regions for nothing
 
     @classmethod
     def of(cls, outer) -> "MethodSettings":
         """From an OuterConfig of a compressed method (0 in chunk_size / topk: the method's default)."""
         defaults = DEFAULTS[outer.method]
         return cls(outer.method, outer.chunk_size or defaults["chunk_size"], outer.topk or defaults["topk"],
-                   outer.quantization_bits, outer.error_decay, outer.aggregation, outer.clip_factor)
+                   outer.quantization_bits, outer.error_decay, outer.aggregation,
+                   outer.clip_factor if outer.aggregation == "clipped" else None)

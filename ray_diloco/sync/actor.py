@@ -55,7 +55,7 @@ from ray_diloco.sync.compressed import CompressedRounds
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
 from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
-from ray_diloco.sync.rounds import PendingRound, Rounds
+from ray_diloco.sync.rounds import PendingRound, Rounds, poison_factor_for_test
 
 logger = logging.getLogger(__name__)
 REPORTED_PEERS = 64  # refused (peer, what) pairs reported as events; the rest are counted
@@ -169,10 +169,12 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         # Tests re-compute each outer step in plain PyTorch from what the region actually sent.
         self.record_rounds = record_rounds
         self.recorded: list[dict] = []
+        self.poison_factor = poison_factor_for_test(self.region)  # tests and benchmarks only (rounds.py)
         self.evaluator = evaluator  # set on one region only: θ_global is the same everywhere
         self.workers: dict[int, dict] = {}  # rank -> {pid, host}: who trains this region now
         self.events: list[dict] = []  # restarts, departures, joins — for status lines and summary.json
         self._digest = state_digest(self.outer.global_state())
+        self._momentum_digest = state_digest(self.outer.momentum_state())  # in our records: a download checks it
         # The region's data position after the last completed round (batches.region_progress): where a restarted
         # or resized group goes on reading. None: the beginning.
         self.progress: dict | None = None
@@ -287,6 +289,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
             raise RuntimeError(f"[{self.region}] commit of outer step {outer_step}, but the outer state is at "
                                f"step {self.outer.step_count}")
         (step, theta, momentum), digest = self._snapshot(), self._digest  # no await between: one state
+        momentum_digest = self._momentum_digest
         method_state = self.compressor.state_dict() if self.compressor is not None else {}
         checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=self.progress,
                                      worker_checkpoint=worker_checkpoint, tokens=self.tokens,
@@ -305,7 +308,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         # A region starting after our driver is gone can join from it; never over our final record (a checkpoint
         # of the last step comes after the region finished).
         if self.sharer is not None and self._published.phase not in (FINISHED, UNSETTLED):
-            record = StateRecord(self.region, step, digest, 0)
+            record = StateRecord(self.region, step, digest, 0, momentum_digest=momentum_digest)
             await asyncio.get_running_loop().run_in_executor(None, self._keep_in_storage, record, location)
         metrics.safely(metrics.record_checkpoint, self.config.run.name, self.region, outer_step=step)
         logger.info("[%s] checkpoint of outer step %d committed: %s", self.region, step, location)

@@ -21,6 +21,7 @@ once, so whoever combines a block gets the same bits from the same inputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,16 +41,23 @@ def clip_scales(norms: Sequence[float], factor: float) -> list[float]:
     return [1.0 if norm <= bound else bound / norm for norm in norms]
 
 
-def scales_of(blocks: Sequence[torch.Tensor], rule: str, factor: float) -> list[float]:
+def exact_norm(block: torch.Tensor) -> float:
+    """The L2 norm, the same on every machine: fp32 values squared in fp64 are exact, and `math.fsum` rounds their
+    sum once. (A torch or NumPy reduction sums in an order that depends on threads and SIMD width: two members of
+    a compressed round, each clipping for itself, could differ in the last bit and so in θ_global.)"""
+    return math.sqrt(math.fsum(block.detach().to(torch.float64).square().reshape(-1).tolist()))
+
+
+def scales_of(blocks: Sequence[torch.Tensor], rule: str, factor: float | None) -> list[float]:
     """Each block's scale under `rule` (1.0 for every block under mean)."""
     if rule not in AGGREGATIONS:
         raise ValueError(f"aggregation {rule!r} is not one of {AGGREGATIONS}")
     if rule == "mean":
         return [1.0] * len(blocks)
-    return clip_scales([float(torch.linalg.vector_norm(block, dtype=torch.float64)) for block in blocks], factor)
+    return clip_scales([exact_norm(block) for block in blocks], factor)
 
 
-def combine(weighted: Sequence[tuple[float, torch.Tensor]], rule: str, factor: float) -> tuple[torch.Tensor,
+def combine(weighted: Sequence[tuple[float, torch.Tensor]], rule: str, factor: float | None) -> tuple[torch.Tensor,
                                                                                                   list[float]]:
     """(Σ wᵢ·sᵢ·xᵢ / Σ wᵢ in fp32, summed in the order given; the scales sᵢ)."""
     if not weighted or any(not w > 0 for w, _ in weighted):

@@ -60,7 +60,7 @@ def write_atomically(directory: str, name: str, payload: bytes) -> str:
 def write_record(directory: str, stored: StoredRecord) -> str:
     record = stored.record
     value = {"outer_step": record.outer_step, "digest": record.digest, "group_size": record.group_size,
-             "phase": record.phase, "location": stored.location}
+             "phase": record.phase, "location": stored.location, "momentum_digest": record.momentum_digest}
     return write_atomically(directory, f"{record.region}.json", json.dumps(value).encode())
 
 
@@ -110,4 +110,6 @@ def load_state(stored: StoredRecord, shapes: dict[str, torch.Size]
     if (checkpoint.outer_step, digest) != (stored.record.outer_step, stored.record.digest):
         raise ValueError(f"{stored.location} holds outer step {checkpoint.outer_step} with digest {digest}, but "
                          f"the record says {stored.record.outer_step} / {stored.record.digest}")
+    if stored.record.momentum_digest and state_digest(checkpoint.momentum) != stored.record.momentum_digest:
+        raise ValueError(f"{stored.location}: its momentum does not match the record's momentum digest")
     return checkpoint.outer_step, checkpoint.theta, checkpoint.momentum

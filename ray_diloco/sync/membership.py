@@ -108,7 +108,8 @@ class Membership:
     def _publish(self, group_size: int, phase: str = TRAINING) -> None:
         """Store our record (and serve the state behind it). Until the store succeeds the record counts as
         published: the sharer keeps it and its refresher thread stores it again every ttl/3."""
-        record = StateRecord(self.region, self.outer.step_count, self._digest, group_size, phase)
+        record = StateRecord(self.region, self.outer.step_count, self._digest, group_size, phase,
+                             momentum_digest=self._momentum_digest)
         self._published = record
         self.sharer.publish(record, state=self._snapshot(), verify=False)
 
@@ -176,7 +177,8 @@ class Membership:
         """Our final state and its record in the run's storage: a region that arrives after our driver is gone
         takes it from there. If it cannot be stored, the run cannot vouch for its end: unsettled."""
         step, theta, momentum = self._snapshot()
-        record = StateRecord(self.region, step, self._digest, self._published.group_size, FINISHED)
+        record = StateRecord(self.region, step, self._digest, self._published.group_size, FINISHED,
+                             momentum_digest=self._momentum_digest)
         directory = self.config.run.states_dir()
 
         def keep() -> None:
@@ -238,10 +240,10 @@ class Membership:
         outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
         outer.load_momentum(momentum)
         outer.step_count = step
-        digest = state_digest(outer.global_state())
+        digest, momentum_digest = state_digest(outer.global_state()), state_digest(outer.momentum_state())
         with self._state_lock:
             self._check_current(generation)
-            self.outer, self._digest = outer, digest
+            self.outer, self._digest, self._momentum_digest = outer, digest, momentum_digest
             if self.compressor is not None:  # another θ_global: what we owed on the old one is void (compressed.py)
                 self.compressor.state = {}
         metrics.safely(metrics.record_outer_step, self.config.run.name, self.region, step)

@@ -67,6 +67,8 @@ class StateRecord:
     group_size: int  # regions in the round that produced it (0: initial or adopted, 1: alone or failed mid-round)
     phase: str = TRAINING
     waited: float = 0.0  # READY: seconds since its workers came in, on its own clock, when it published this
+    # state_digest(momentum): a download checks the momentum against it too ("": not published, not checked)
+    momentum_digest: str = ""
 
 
 def parse_record(region: str, value: dict) -> StateRecord:
@@ -74,7 +76,8 @@ def parse_record(region: str, value: dict) -> StateRecord:
     Raises ValueError (or TypeError, KeyError) on a malformed one; an unknown phase counts as TRAINING."""
     phase = str(value.get("phase", TRAINING))
     return StateRecord(str(region), int(value["outer_step"]), str(value["digest"]), int(value["group_size"]),
-                       phase if phase in PHASES else TRAINING, float(value.get("waited", 0.0)))
+                       phase if phase in PHASES else TRAINING, float(value.get("waited", 0.0)),
+                       str(value.get("momentum_digest", "")))
 
 
 def with_stored(live: list[StateRecord] | None, stored: list[StateRecord]) -> list[StateRecord] | None:

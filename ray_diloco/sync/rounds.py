@@ -29,14 +29,17 @@ logger = logging.getLogger("ray_diloco.sync.actor")  # the actor's log: one stre
 POISON_ENV_VAR = "RAY_DILOCO_TEST_POISON"  # tests and benchmarks only: "<region>:<factor>"
 
 
-def poisoned_for_test(region: str, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def poison_factor_for_test(region: str) -> float | None:
     """Tests and benchmarks only: the region named in RAY_DILOCO_TEST_POISON sends its Δ times the factor given
-    (a member with the secret sending a poisoned Δ, ×1000 or sign-flipped: benchmarks/poisoned.py). Read at run
-    time, so a job's environment sets it."""
+    (a member with the secret sending a poisoned Δ, ×1000 or sign-flipped: benchmarks/poisoned.py); None for the
+    others. Read when the SyncActor starts, so a job's environment sets it."""
     name, _, factor = os.environ.get(POISON_ENV_VAR, "").partition(":")
     if name != region or not factor:
-        return delta
-    return {key: torch.mul(t, float(factor)) for key, t in delta.items()}
+        return None
+    try:
+        return float(factor)
+    except ValueError:
+        raise ValueError(f"{POISON_ENV_VAR}={name}:{factor}: the factor must be a number") from None
 
 
 @dataclass
@@ -65,6 +68,8 @@ class Rounds:
                          delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rendezvous, average Δ with the group, apply the outer step, publish, record. Returns θ_global."""
         start = time.perf_counter()
+        if self.poison_factor is not None:  # tests and benchmarks only: a member that sends a poisoned Δ
+            delta = {name: torch.mul(t, self.poison_factor) for name, t in delta.items()}
         bad = sum(count_nonfinite(t) for t in delta.values())
         if bad:  # a diverged region stays out of the average and takes the others' state instead
             return await self._skip_nonfinite_round(bad, pending, start)
@@ -83,12 +88,13 @@ class Rounds:
             expected = decision.expected
         rendezvous_seconds = time.perf_counter() - start
         outer_step, tokens = self.outer.step_count, sum(pending.tokens_by_rank.values())
-        result = await self._average(poisoned_for_test(self.region, delta), tokens, outer_step, expected)
+        result = await self._average(delta, tokens, outer_step, expected)
         reduce_seconds = time.perf_counter() - start
         new_global = self.outer.step(result.averaged)
-        self._digest = state_digest(new_global)
         if result.method_state is not None:  # with the outer step, never without it (compressed.py)
             self.compressor.state = result.method_state
+        self._digest = state_digest(new_global)
+        self._momentum_digest = state_digest(self.outer.momentum_state())
         if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
             group = result.group_size if result.consistent else 1
             await self._in_executor(lambda: self._publish_safely(group))
@@ -152,8 +158,6 @@ class Rounds:
         if result.clipped:  # outer.aggregation 'clipped': who sent a Δ far beyond the others', by how much
             record["clipped"] = dict(result.clipped)
             self.record_event("contribution_clipped", outer_step=outer_step, scales=dict(result.clipped))
-            logger.warning("[%s] outer step %d: contributions clipped to %g x the median norm: %s", self.region,
-                           outer_step + 1, self.config.outer.clip_factor, result.clipped)
         if wire:
             record["average_seconds"] = round(result.seconds, 3)
             self.bytes_sent += result.bytes_sent

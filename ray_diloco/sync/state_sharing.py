@@ -8,8 +8,9 @@ Transport: one libp2p stream handler per region on the DHT's own p2p daemon (`p2
 from an asyncio thread of its own, in this process). Not hivemind's averager state sharing: it picks the donor by
 priority (we need the holder of one digest), runs in a forked child and copies the whole state into shared
 memory per request. The state goes as raw bytes (exact, any dtype) in `chunk_bytes` messages after a small
-header (step, digest, names, dtypes, shapes). The client checks the header's step/digest, then the digest of
-the θ it received, and moves on to the next holder of the wanted digest on any failure or mismatch.
+header (step, digest, names, dtypes, shapes). The client checks the header's step/digest, then the digests of
+the θ and the momentum it received against the record, and moves on to the next holder of the wanted digests on
+any failure or mismatch.
 
 Served state (consistency): by default (`snapshot=True`) `publish()` takes the state once — `get_state()` in
 the publishing thread, or the `state=` it is handed — checks step and digest against the record and serves
@@ -152,7 +153,7 @@ class StateSharer:
     def _record_value(self) -> dict:
         r = self._record
         return dict(outer_step=r.outer_step, digest=r.digest, group_size=r.group_size, phase=r.phase,
-                    waited=r.waited, peer_id=self.peer_id.to_base58())
+                    waited=r.waited, momentum_digest=r.momentum_digest, peer_id=self.peer_id.to_base58())
 
     def _refresh_periodically(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -271,8 +272,8 @@ class StateSharer:
     def load_from_peers(self, want: StateRecord | None = None, timeout: float = 60.0,
                         total: float | None = None) -> State | None:
         """(outer_step, θ_global, momentum) from a peer whose record matches `want` (its region first, then other
-        regions with the same step and digest), or the canonical state if want is None. The received θ_global
-        must have want.digest; on any failure, mismatch or `timeout` (per holder: a slow or dying holder costs one
+        regions with the same step and digests), or the canonical state if want is None. The received θ_global
+        must have want.digest, and its momentum want.momentum_digest (where the record names one); on any failure, mismatch or `timeout` (per holder: a slow or dying holder costs one
         download) the next holder is tried, while less than `total` seconds (default: no limit) have passed.
         None if nobody delivered."""
         started = time.monotonic()
@@ -289,6 +290,8 @@ class StateSharer:
                 return None
         candidates = sorted(((r, p) for r, p in holders
                              if (r.outer_step, r.digest) == (want.outer_step, want.digest)
+                             # one naming another momentum would fail the download's check
+                             and not (want.momentum_digest and r.momentum_digest not in ("", want.momentum_digest))
                              and r.region != self.region and p != self.peer_id),
                             key=lambda h: (h[0].region != want.region, h[0].region))
         for record, peer in candidates:
@@ -304,6 +307,10 @@ class StateSharer:
             if digest != want.digest:
                 logger.warning("[%s] %s sent θ with digest %s, not %s", self.region, record.region, digest,
                                want.digest)
+                continue
+            if want.momentum_digest and state_digest(state[2]) != want.momentum_digest:
+                logger.warning("[%s] %s sent a momentum that does not match the record's digest", self.region,
+                               record.region)
                 continue
             logger.info("[%s] loaded outer step %d (%s) from %s in %.2fs", self.region, state[0], digest,
                         record.region, time.monotonic() - start)
