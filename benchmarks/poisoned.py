@@ -8,8 +8,8 @@ authentication cannot keep it out.
 
     python benchmarks/poisoned.py --steps 200 --h 20 --output-dir runs/poisoned
 
-Arms: clean-mean, clean-clipped (what clipping costs without an attacker), poisoned-mean, poisoned-clipped,
-flipped-clipped (Δ × -1: the sign-flip the clipping does not catch). Finished arms are read back (resumable);
+Arms: clean-mean, poisoned-clipped, poisoned-mean, clean-clipped (what clipping costs without an attacker),
+flipped-clipped (Δ × -1: the sign-flip the clipping does not catch); `--arms` runs some of them. Finished arms are read back (resumable);
 writes poisoned.json and poisoned.md. "clipped events" counts `contribution_clipped` events: one per region
 per round in which that region saw a contribution clipped.
 """
@@ -28,8 +28,8 @@ from ray_diloco.sync.rounds import POISON_ENV_VAR
 ROOT = Path(__file__).resolve().parents[1]
 POISONED_REGION = "region-c"
 # (label, aggregation, factor of the poisoned region's Δ or None)
-ARMS = (("clean-mean", "mean", None), ("clean-clipped", "clipped", None), ("poisoned-mean", "mean", "factor"),
-        ("poisoned-clipped", "clipped", "factor"), ("flipped-clipped", "clipped", -1.0))
+ARMS = (("clean-mean", "mean", None), ("poisoned-clipped", "clipped", "factor"), ("poisoned-mean", "mean", "factor"),
+        ("clean-clipped", "clipped", None), ("flipped-clipped", "clipped", -1.0))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--h", type=int, default=20, help="inner steps per round (must divide --steps)")
     parser.add_argument("--factor", type=float, default=1000.0, help="the poisoned region's Δ is multiplied by it")
     parser.add_argument("--output-dir", type=Path, default=ROOT / "runs" / "poisoned")
+    parser.add_argument("--arms", default=",".join(label for label, _, _ in ARMS),
+                        help="comma-separated arms to run (finished ones are read back)")
     return parser
 
 
@@ -69,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.h < 1 or args.steps % args.h:
         raise SystemExit(f"poisoned.py: --h {args.h} must divide --steps {args.steps}")
+    wanted = set(args.arms.split(","))
+    if wanted - {label for label, _, _ in ARMS}:
+        raise SystemExit(f"poisoned.py: --arms: {sorted(wanted - {label for label, _, _ in ARMS})} unknown; choose "
+                         f"from {', '.join(label for label, _, _ in ARMS)}")
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    arms = [arm for arm in ARMS if arm[0] in wanted]
     rows = []
-    for label, aggregation, factor in ARMS:
+    for label, aggregation, factor in arms:
         factor = args.factor if factor == "factor" else factor
         summary = run_arm(label, aggregation, factor, args)
         if summary is not None:
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.output_dir / "poisoned.json").write_text(json.dumps(rows, indent=2))
     (args.output_dir / "poisoned.md").write_text(table)
     print(table)
-    return 0 if len(rows) == len(ARMS) else 1
+    return 0 if len(rows) == len(arms) else 1
 
 
 if __name__ == "__main__":
