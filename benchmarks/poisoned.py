@@ -23,8 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ray_diloco.sync.rounds import POISON_ENV_VAR
-
 ROOT = Path(__file__).resolve().parents[1]
 POISONED_REGION = "region-c"
 # (label, aggregation, factor of the poisoned region's Δ or None)
@@ -47,6 +45,8 @@ def run_arm(label: str, aggregation: str, factor: float | None, args: argparse.N
     summary = args.output_dir / label / "summary.json"
     if summary.exists():
         return json.loads(summary.read_text())
+    from ray_diloco.sync.rounds import POISON_ENV_VAR  # here: torch loads only once an arm runs
+
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", POISON_ENV_VAR)}
     if factor is not None:
         env[POISON_ENV_VAR] = f"{POISONED_REGION}:{factor}"

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from ray_diloco.methods.settings import AGGREGATIONS, COMPRESSED, COMPRESSED_LR, METHODS
-from ray_diloco.sync.codecs import CODEC_NAMES
+from ray_diloco.methods.settings import AGGREGATIONS, CODEC_NAMES, COMPRESSED, COMPRESSED_LR, METHODS
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig, fresh_run_name
 from ray_diloco.presets import DEFAULT_PRESET, PRESETS, get_preset
 

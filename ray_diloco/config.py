@@ -18,6 +18,8 @@ import yaml
 
 from ray_diloco import config_fields
 from ray_diloco.config_fields import build_section, require as _require
+# Torch-free: the CLI checks its inputs before torch is imported.
+from ray_diloco.methods.settings import AGGREGATIONS, CODEC_NAMES, DEFAULTS, METHODS, MethodSettings
 
 ConfigError = config_fields.ConfigError  # part of this module's interface: callers catch config.ConfigError
 
@@ -215,20 +217,16 @@ class OuterConfig:
             not self.nesterov or self.momentum > 0, "outer.nesterov", "Nesterov needs outer.momentum > 0"
         )
         _require(self.inner_steps >= 1, "outer.inner_steps", f"must be >= 1, got {self.inner_steps}")
-        # Imported here: the codec registry needs torch, and the CLI checks its inputs before torch is loaded.
-        from ray_diloco.sync.codecs import CODEC_NAMES
-
         _require(self.compression in CODEC_NAMES, "outer.compression", f"must be one of {CODEC_NAMES}")
         _require(self.matchmaking_seconds > 0, "outer.matchmaking_seconds", "must be > 0")
         _require(self.max_wait_seconds > 0, "outer.max_wait_seconds", "must be > 0")
         _require(0 <= self.port <= 65535, "outer.port", f"must be a TCP port (0: any free one), got {self.port}")
         _require(self.state_download_mbps > 0, "outer.state_download_mbps", "must be > 0 (Mbit/s)")
         _require(self.sync_actor_cpus >= 0, "outer.sync_actor_cpus", "must be >= 0 (fractions are fine)")
-        from ray_diloco.methods.settings import AGGREGATIONS
-
         _require(self.aggregation in AGGREGATIONS, "outer.aggregation",
                  f"must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        _require(self.clip_factor >= 1, "outer.clip_factor", f"must be >= 1, got {self.clip_factor}")
+        _require(self.clip_factor >= 1, "outer.clip_factor",
+                 f"must be >= 1 (below 1 the median region itself would be cut), got {self.clip_factor}")
         self._check_method()
         _require(
             self.averaging_timeout > self.matchmaking_seconds,
@@ -237,8 +235,6 @@ class OuterConfig:
         )
 
     def _check_method(self) -> None:
-        from ray_diloco.methods.settings import DEFAULTS, METHODS, MethodSettings
-
         _require(self.method in METHODS, "outer.method", f"must be one of {METHODS}, got {self.method!r}")
         _require(self.chunk_size >= 0 and self.topk >= 0, "outer.chunk_size",
                  "chunk_size and topk must be >= 0 (0: the method's default)")

@@ -83,3 +83,15 @@ def test_local_regions_keep_the_full_list_and_refuse_unknown_names():
         resolved("--regions", "us,eu", "--local-regions", "xx")
     with pytest.raises(ConfigError, match="^run.local_regions: only DiLoCo runs span Ray clusters"):
         resolved("--regions", "us,eu", "--local-regions", "eu", "--mode", "ddp")
+
+
+def test_the_command_line_loads_no_torch_before_its_checks():
+    """A bad flag costs seconds: the CLI, the config and every name they check are torch-free (the CLI imported
+    the codec registry, and with it torch: 2 s idle, 20-40 s on a busy machine, before any check ran)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ray_diloco.cli as cli; cli.build_parser(); "
+            "from ray_diloco.config import ExperimentConfig; ExperimentConfig(); "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -50,6 +50,10 @@ def test_choose_canonical():
     assert choose_canonical([R("a", 0, "init", 0)]) == R("a", 0, "init", 0)
     # the phase is not part of the vote
     assert choose_canonical([R("a", 3, "y", 1, READY), R("b", 3, "x", 1)]) == R("b", 3, "x", 1)
+    # θ_global's majority beside a momentum of its own is a state of its own (issue 24): the lone record naming
+    # "evil" momentum loses to the two that name "m", however large the group it declares
+    honest = [R("a", 3, "x", 2, momentum_digest="m"), R("b", 3, "x", 2, momentum_digest="m")]
+    assert choose_canonical(honest + [R("z", 3, "x", 9, momentum_digest="evil")]).momentum_digest == "m"
 
 
 def test_needs_resync():

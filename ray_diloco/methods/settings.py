@@ -1,10 +1,13 @@
-"""The outer methods' names and settings (torch-free: the config checks them before torch is imported)."""
+"""The outer methods' names and settings, and the other names the config and the CLI check (wire codecs,
+aggregations): torch-free, so a bad flag is refused before torch is imported (~2 s idle, far more on a busy
+machine)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 METHODS = ("diloco", "sparseloco", "dct")
+CODEC_NAMES = ("none", "bf16", "fp16", "scaled-fp16")  # ray_diloco.sync.codecs.CODECS, which checks it
 COMPRESSED = ("sparseloco", "dct")
 AGGREGATIONS = ("mean", "clipped")  # how a round combines the regions' contributions (ray_diloco.sync.aggregation)
 # SparseLoCo: its paper's and code's settings, 4096 values per chunk (its 64×64 blocks) with top-128 (3.1 %),

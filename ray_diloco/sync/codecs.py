@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ray_diloco.methods.settings import CODEC_NAMES
+
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 SCALE_BYTES = 4  # the fp32 scale a scaled codec sends with each tensor (each part on the hivemind wire)
 
@@ -96,7 +98,8 @@ CODECS = {
     "fp16": Codec("fp16", torch.float16),
     "scaled-fp16": Codec("scaled-fp16", torch.float16, scaled=True),
 }
-CODEC_NAMES = tuple(CODECS)
+if tuple(CODECS) != CODEC_NAMES:  # the torch-free list the CLI offers must name exactly these
+    raise ImportError(f"ray_diloco.methods.settings.CODEC_NAMES {CODEC_NAMES} != the codecs {tuple(CODECS)}")
 
 
 def get_codec(name: str) -> Codec:

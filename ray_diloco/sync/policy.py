@@ -91,18 +91,20 @@ def with_stored(live: list[StateRecord] | None, stored: list[StateRecord]) -> li
 
 
 def choose_canonical(records: list[StateRecord]) -> StateRecord | None:
-    """The state every region should hold: highest outer_step; then the digest held by the most regions; then
-    the largest group_size; then the smallest digest. Of the winning digest's records: largest group, then region."""
+    """The state every region should hold: highest outer_step; then the state (θ_global's digest with the
+    momentum's) held by the most regions; then the largest group_size; then the smallest digests. Of the winning
+    state's records: largest group, then region. (A record naming the majority's θ_global beside a momentum of its
+    own is a state of its own: it cannot lend its momentum to the majority's θ.)"""
     if not records:
         return None
     top = max(r.outer_step for r in records)
-    by_digest: dict[str, list[StateRecord]] = defaultdict(list)
+    by_state: dict[tuple[str, str], list[StateRecord]] = defaultdict(list)
     for record in records:
         if record.outer_step == top:
-            by_digest[record.digest].append(record)
-    digest = min(by_digest, key=lambda d: (-len({r.region for r in by_digest[d]}),
-                                           -max(r.group_size for r in by_digest[d]), d))
-    return min(by_digest[digest], key=lambda r: (-r.group_size, r.region))
+            by_state[(record.digest, record.momentum_digest)].append(record)
+    state = min(by_state, key=lambda d: (-len({r.region for r in by_state[d]}),
+                                         -max(r.group_size for r in by_state[d]), d))
+    return min(by_state[state], key=lambda r: (-r.group_size, r.region))
 
 
 def needs_resync(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:
