@@ -50,8 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--outer-method", choices=METHODS,
                        help="what a round sends: diloco (the whole Δ), sparseloco or dct (a few bits per parameter; "
                             "sets outer momentum 0 and the papers' outer lr 1.0 unless --outer-lr is given)")
-    train.add_argument("--outer-lr", type=float, metavar="LR", help="the outer learning rate")
-    train.add_argument("--topk", type=int, metavar="K", help="values sent per chunk by sparseloco / dct")
+    train.add_argument("--outer-lr", type=float, metavar="LR",
+                       help="the outer learning rate (default: the preset's, 0.7 for diloco; 1.0 with a compressed "
+                            "--outer-method)")
+    train.add_argument("--topk", type=int, metavar="K",
+                       help="values sent per chunk by sparseloco (of 4096; default 128) or dct (of 64; default 2)")
     train.add_argument("--aggregation", choices=AGGREGATIONS,
                        help="how a round combines the regions' Δ: mean (token-weighted) or clipped (each cut to "
                             "outer.clip_factor × the median norm first: a poisoned Δ moves the model a bounded "

@@ -248,9 +248,9 @@ class OuterConfig:
                      f"{self.method} takes a plain SGD step (its error feedback replaces the outer momentum): set "
                      "outer.momentum 0 and outer.nesterov false, or pass --outer-method, which does")
             chosen = MethodSettings.of(self)
-            _require(1 <= chosen.topk <= chosen.chunk_size <= 65536, "outer.topk",
-                     f"must lie in [1, chunk_size={chosen.chunk_size}] (chunks of at most 65536 values), "
-                     f"got {chosen.topk}")
+            _require(chosen.chunk_size <= 65536, "outer.chunk_size", f"must be <= 65536, got {chosen.chunk_size}")
+            _require(1 <= chosen.topk <= chosen.chunk_size, "outer.topk",
+                     f"must lie in [1, chunk_size={chosen.chunk_size}], got {chosen.topk}")
 
 _WORKER_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 
