@@ -172,7 +172,7 @@ class Compressor:
             acc = torch.zeros(chunk_count(shape.numel(), s.chunk_size), s.chunk_size)
             for i, ((weight, parts), scale) in enumerate(zip(weighted, scales)):
                 indices, values = parts[name]
-                share = weight / total if scale == 1.0 else weight * scale / total  # the mean's bits unchanged
+                share = weight * scale / total  # scale 1.0 (the mean) multiplies exactly: the mean's bits unchanged
                 acc = torch.add(acc, torch.mul(scatter_chunks(indices, values, s.chunk_size), share))
                 smallest[i] = min(smallest[i], scale)
             if s.name == "dct":
