@@ -90,7 +90,7 @@ def bare_worker(config: dict, steps: int, barrier: Any, results: Any, index: int
     windows = _bare_windows(cfg.data, load_tokenizer(cfg.data.tokenizer))
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed)
     model.train()
-    optimizer, scheduler = build_inner_optimizer(model.parameters(), cfg.inner, steps)
+    optimizer, scheduler = build_inner_optimizer(model.parameters(), cfg.inner, steps, torch.device("cpu"))
     batch, n = cfg.data.batch_size, len(windows) // cfg.data.batch_size
     barrier.wait()
     started, tokens, step_rates = time.perf_counter(), 0, []

@@ -1,6 +1,6 @@
 """What reading the loss costs per inner step: per step (as the worker did before `StepLog`: an all_reduce of the
 loss and a `.item()` after every step) against `StepLog` (one all_reduce and one host sync every 10 steps), on
-the worker's own inner step (`ray_diloco.inner_step`: FSDP2, AdamW, autocast), in one process group.
+the worker's own inner step (`ray_diloco.inner_step`: FSDP2 with its mixed precision, AdamW), in one process group.
 
     python benchmarks/overhead.py --step-log                        # CPU: 2 gloo ranks, tiny-cpu (~1 min)
     python benchmarks/overhead.py --step-log --preset 150m --steps 40   # a GPU: 1 rank, NCCL, bf16
@@ -14,6 +14,7 @@ tokens/s per worker and the MFU (`ray_diloco.metrics.flops_per_token` × tokens/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -72,9 +73,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     cfg = get_preset(args.preset)
+    if args.precision:
+        cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, precision=args.precision))
     vocab = 50304  # the GPT-2 tokenizer's 50257 rounded up, as resolve_vocab does
     model = build_model(cfg.model, vocab, cfg.data.seq_len, cfg.run.seed)
-    shard_model(model.to(device), device, world)
+    shard_model(model.to(device), device, world, cfg.inner.precision)
     inner_step = InnerStep(model, cfg, device, 0)
     generator = torch.Generator().manual_seed(rank)
     batch = torch.randint(0, vocab, (cfg.data.batch_size, cfg.data.seq_len), generator=generator).to(device)
@@ -88,6 +91,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     rate = tokens_per_step * args.steps / best["step-log"]
     results.put({"rank": rank, "device": name, "world": world, "preset": args.preset,
+                 "precision": cfg.inner.precision,
                  "ms_per_step": {v: 1000 * s / args.steps for v, s in best.items()},
                  "tokens_per_second_per_worker": rate,
                  "mfu": metrics.flops_per_token(cfg.model, vocab, cfg.data.seq_len) * rate
@@ -99,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="overhead.py --step-log", description=__doc__.split("\n\n")[0])
     parser.add_argument("--step-log", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--preset", default="tiny-cpu", help="model and batch shape (default tiny-cpu)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="inner.precision (default: the preset's, auto: bf16 on a GPU, fp32 on a CPU)")
     parser.add_argument("--world", type=int, default=None,
                         help="ranks (default: the GPU count, or 2 on a machine without one)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default 30)")
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         process.join()
     for row in rows:
         before, after = row["ms_per_step"]["per-step"], row["ms_per_step"]["step-log"]
-        print(f"[step-log] rank {row['rank']} of {row['world']} on {row['device']} ({row['preset']}): per-step read "
+        print(f"[step-log] rank {row['rank']} of {row['world']} on {row['device']} ({row['preset']}, "
+              f"{row['precision']}): per-step read "
               f"{before:.2f} ms/step, StepLog {after:.2f} ms/step, ratio {before / after:.3f}; "
               f"{row['tokens_per_second_per_worker']:,.0f} tokens/s/worker, MFU {row['mfu']:.3f}", flush=True)
     if args.output:

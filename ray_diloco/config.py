@@ -125,7 +125,8 @@ class InnerOptConfig:
     """Max global gradient norm; 0 disables clipping."""
     grad_accum: int = 1
     precision: str = "auto"
-    """'auto' = bf16 autocast on GPU, fp32 on CPU; 'fp16' uses a GradScaler."""
+    """'auto' = bf16 on GPU, fp32 on CPU. bf16/fp16: FSDP2 mixed precision (compute in that dtype, fp32 weights,
+    gradient reduction and AdamW); 'fp16' adds a GradScaler."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")

@@ -3,12 +3,11 @@ benchmarks (`benchmarks/overhead.py --step-log`) run it on a machine with torch 
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ray_diloco.config import ExperimentConfig
@@ -24,34 +23,43 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     return data.to_local() if isinstance(data, DTensor) else data
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, world_size: int) -> torch.nn.Module:
-    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head)."""
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype forward and backward run in (`inner.precision`): 'auto' is bf16 on a GPU and fp32 on a CPU;
+    None means fp32 throughout."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, world_size: int, precision: str) -> torch.nn.Module:
+    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head).
+
+    Under bf16 or fp16, FSDP2's mixed precision: each unit's parameters are gathered in that dtype (half the
+    bytes of fp32 on the wire and in memory) and its gradients reduce-scattered in fp32 onto the fp32 shards
+    that AdamW steps and the outer step reads. Autocast would instead cast every weight at every matmul and
+    gather fp32. Under fp32 nothing is cast."""
+    dtype = compute_dtype(precision, device)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     mesh = init_device_mesh(device.type, (world_size,))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
-def autocast_for(precision: str, device: torch.device):
-    """bf16 autocast on GPU by default, fp16 when asked, fp32 on CPU."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "fp32":
-        return contextlib.nullcontext(), None
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    return torch.autocast(device_type=device.type, dtype=dtype), scaler
-
-
 class InnerStep:
-    """One inner optimizer step over `grad_accum` micro-batches: zero_grad → forward → backward → step."""
+    """One inner optimizer step over `grad_accum` micro-batches: zero_grad → forward → backward → step.
+
+    The model is the one `shard_model` wrapped with the same `inner.precision`: FSDP2 casts, so no autocast
+    here; fp16 adds a GradScaler (its range is too narrow for unscaled gradients)."""
 
     def __init__(self, model, cfg: ExperimentConfig, device: torch.device, start_step: int):
         self.model, self.cfg, self.device = model, cfg, device
-        self.optimizer, self.scheduler = build_inner_optimizer(model.parameters(), cfg.inner, cfg.total_inner_steps)
+        self.optimizer, self.scheduler = build_inner_optimizer(model.parameters(), cfg.inner, cfg.total_inner_steps,
+                                                               device)
         self.align(start_step)
-        self.autocast, self.scaler = autocast_for(cfg.inner.precision, device)
+        fp16 = compute_dtype(cfg.inner.precision, device) == torch.float16
+        self.scaler = torch.amp.GradScaler(device.type) if fp16 else None
 
     def __call__(self, batches: "WorkerBatches") -> tuple[torch.Tensor, int]:
         """Returns the mean loss over the micro-batches (a tensor: no host sync) and the tokens trained."""
@@ -61,8 +69,7 @@ class InnerStep:
             input_ids = batches.next()
             # Only the last micro-batch reduce-scatters gradients across the group's ranks.
             self.model.set_requires_gradient_sync(micro == accum - 1)
-            with self.autocast:
-                loss = self.model(input_ids=input_ids, labels=input_ids).loss / accum
+            loss = self.model(input_ids=input_ids, labels=input_ids).loss / accum
             (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
             tokens += input_ids.numel()

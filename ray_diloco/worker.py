@@ -153,7 +153,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(max(1, int(loop_config.get("threads_per_worker", 1))))
 
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
-    shard_model(model.to(device), device, world_size)
+    shard_model(model.to(device), device, world_size, cfg.inner.precision)
     H = cfg.outer.inner_steps
     inner_step = InnerStep(model, cfg, device, 0)
     start_outer, progress = 0, None

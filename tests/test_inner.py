@@ -9,7 +9,8 @@ from ray_diloco.inner import build_inner_optimizer, reset_nonfinite_state
 
 def test_a_nan_gradient_poisons_adamw_until_its_state_is_reset():
     model = torch.nn.Linear(4, 3)
-    optimizer, _ = build_inner_optimizer(model.parameters(), InnerOptConfig(lr=1e-2), total_steps=10)
+    optimizer, _ = build_inner_optimizer(model.parameters(), InnerOptConfig(lr=1e-2), total_steps=10,
+                                          device=torch.device("cpu"))
     model.weight.grad = torch.full_like(model.weight, float("nan"))
     model.bias.grad = torch.ones_like(model.bias)
     optimizer.step()

@@ -1,0 +1,106 @@
+"""The worker's inner step under each `inner.precision`, on two real gloo ranks (FSDP2, the tiny Llama).
+
+bf16 and fp16 use FSDP2's mixed precision: each unit's weights are gathered in the compute dtype (seen inside a
+decoder layer's forward), while the shards AdamW steps and the outer step reads stay fp32, and the gradients
+are reduced in fp32. fp16 adds a GradScaler: an overflow in one rank's gradient shard skips the step on every rank. fp32 casts nothing.
+"""
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_diloco.inner_step import InnerStep, compute_dtype, shard_model
+from ray_diloco.model import build_model
+from ray_diloco.presets import tiny_cpu
+
+VOCAB = 320
+
+
+class SameBatch:
+    def __init__(self, batch: torch.Tensor):
+        self.batch = batch
+
+    def next(self) -> torch.Tensor:
+        return self.batch
+
+
+def test_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu():
+    assert compute_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert compute_dtype("auto", torch.device("cpu")) is None
+    assert compute_dtype("fp32", torch.device("cuda")) is None
+    assert compute_dtype("fp16", torch.device("cpu")) == torch.float16
+
+
+def _overflow_once(scaler, model) -> None:
+    """An inf in one element of rank 0's gradient shard, in the first step only (an fp16 overflow there)."""
+    unscale, calls = scaler.unscale_, []
+
+    def poisoned(optimizer):
+        if not calls:
+            next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+        calls.append(1)
+        return unscale(optimizer)
+
+    scaler.unscale_ = poisoned
+
+
+def _steps(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    device = torch.device("cpu")
+    for precision in ("fp32", "bf16", "fp16"):
+        base = tiny_cpu()
+        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
+                                                                  num_layers=2, num_heads=2),
+                                  inner=dataclasses.replace(base.inner, precision=precision, warmup_steps=0))
+        model = build_model(cfg.model, VOCAB, 16, seed=0)
+        shard_model(model, device, 2, precision)
+        seen = []
+        proj = model.model.layers[0].self_attn.q_proj
+        proj.register_forward_hook(lambda module, args, out: seen.append((module.weight.dtype, out.dtype)))
+        step = InnerStep(model, cfg, device, 0)
+        if step.scaler and rank == 0:
+            _overflow_once(step.scaler, model)
+        batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))
+        losses = [step(SameBatch(batch))[0].item() for _ in range(3)]
+        scale = step.scaler.get_scale() if step.scaler else None
+        results.put((rank, precision, seen[0], {p.dtype for p in model.parameters()}, losses, scale))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_steps, args=(rank, port, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    rows = [results.get(timeout=300) for _ in range(6)]
+    for process in processes:
+        process.join(timeout=60)
+    return {(rank, precision): rest for rank, precision, *rest in rows}
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                              ("fp16", torch.float16)])
+def test_layers_compute_in_the_precision_while_the_shards_stay_fp32(outcomes, precision, dtype):
+    for rank in range(2):
+        (weight_dtype, out_dtype), shard_dtypes, losses, _ = outcomes[(rank, precision)]
+        assert (weight_dtype, out_dtype) == (dtype, dtype)
+        assert shard_dtypes == {torch.float32}
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert losses[-1] < losses[0], f"{precision}: three steps on one batch should lower its loss: {losses}"
+
+
+def test_an_fp16_overflow_in_one_ranks_shard_skips_the_step_and_halves_the_scale_on_every_rank(outcomes):
+    """Rank 0 alone saw the inf: if the ranks disagreed, one would step its shards and the other not, and
+    their loss scales would part."""
+    assert [outcomes[(rank, "fp16")][3] for rank in range(2)] == [2.0**15] * 2  # 2**16 halved once
+    assert outcomes[(0, "bf16")][3] is None
