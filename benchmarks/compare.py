@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ray_diloco.cli import OneLineErrors
 from ray_diloco.config import ExperimentConfig, RegionConfig
 from ray_diloco.driver import run_training
 from ray_diloco.presets import tiny_cpu
@@ -48,7 +49,7 @@ CODEC_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "scaled-fp16": 2}  # + 4 bytes o
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="compare.py", description="DiLoCo (none/fp16 wire) vs DDP vs one worker, from one warm start, "
                                        "at equal tokens per worker (tiny-cpu model).")
     parser.add_argument("--workers", type=int, default=4,
@@ -87,12 +88,12 @@ def chosen_arms(value: str) -> tuple[tuple[str, str, str], ...]:
     wanted = {label.strip() for label in value.split(",") if label.strip()} | {"ddp"}
     unknown = wanted - {label for label, _, _ in ARMS}
     if unknown:
-        raise SystemExit(f"compare.py: --arms: {sorted(unknown)} unknown; choose from "
+        raise ValueError(f"--arms: {sorted(unknown)} unknown; choose from "
                          f"{', '.join(label for label, _, _ in ARMS)}")
     return tuple(arm for arm in ARMS if arm[0] in wanted)
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     problems = []
     for name in ("workers", "inner_steps", "outer_steps", "warmup_steps"):
         if getattr(args, name) < 1:
@@ -102,9 +103,12 @@ def check_args(args: argparse.Namespace) -> None:
     total = args.inner_steps * args.outer_steps
     if args.baseline_eval_steps < 0 or (args.baseline_eval_steps and total % args.baseline_eval_steps):
         problems.append(f"--baseline-eval-steps must be 0 or divide T×H = {total}")
+    try:
+        chosen_arms(args.arms)
+    except ValueError as error:
+        problems.append(str(error))
     if problems:
-        raise SystemExit("compare.py: " + "; ".join(problems))
-    chosen_arms(args.arms)
+        parser.error("; ".join(problems))
 
 
 def base_config(args: argparse.Namespace) -> ExperimentConfig:
@@ -327,8 +331,9 @@ def ray_session(address: str | None, workers: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    check_args(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
     out = Path(args.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

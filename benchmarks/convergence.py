@@ -39,6 +39,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare.py, beside this file
 from compare import curve_of, machine_info  # noqa: E402
 
+from ray_diloco.cli import OneLineErrors  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT_DIR = "runs/convergence"
 DOCS_BEGIN, DOCS_END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
@@ -84,7 +86,7 @@ def grid(workers: int, hs: list[int], seeds: list[int]) -> list[Arm]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="convergence.py", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="convergence.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker of every arm (default 2000)")
     parser.add_argument("--h", default="50,100", help="DiLoCo's H values, comma-separated (default 50,100)")
     parser.add_argument("--workers", type=int, default=4, help="DDP workers = regions of the compressed arms (4)")
@@ -99,17 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[int], list[int]]:
     try:
         hs, seeds = [int(v) for v in args.h.split(",")], [int(v) for v in args.seeds.split(",")]
     except ValueError:
-        raise SystemExit(f"convergence.py: --h and --seeds take comma-separated integers, got {args.h!r}, "
-                         f"{args.seeds!r}") from None
+        parser.error(f"--h and --seeds take comma-separated integers, got {args.h!r}, {args.seeds!r}")
     bad = [f"--h {h} must divide --steps {args.steps}" for h in hs if h < 1 or args.steps % h]
     bad += [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals", "steps")
             if getattr(args, name) < 1]
     if bad:
-        raise SystemExit("convergence.py: " + "; ".join(bad))
+        parser.error("; ".join(bad))
     return hs, seeds
 
 
@@ -239,14 +240,17 @@ def write_results(rows: list[dict], settings: dict, out: Path, write_docs: bool)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    hs, seeds = check(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    hs, seeds = check(args, parser)
     patterns = [p.strip() for p in args.arms.split(",") if p.strip()]
     every = grid(args.workers, hs, seeds)
     arms = [a for a in every if any(fnmatch.fnmatch(a.label, p) for p in patterns)]
-    if args.list or not arms:
-        print("\n".join(a.label for a in arms) or f"convergence.py: --arms {args.arms!r} names no arm")
-        return 0 if arms else 2
+    if not arms:
+        parser.error(f"--arms {args.arms!r} names no arm (--list prints them)")
+    if args.list:
+        print("\n".join(a.label for a in arms))
+        return 0
     out = Path(args.output_dir).resolve()
     arms_dir = out / "arms"
     arms_dir.mkdir(parents=True, exist_ok=True)

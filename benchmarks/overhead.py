@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ray_diloco.cli import OneLineErrors
 from ray_diloco.config import DataConfig, ExperimentConfig, RegionConfig
 from ray_diloco.presets import tiny_cpu
 
@@ -43,7 +44,7 @@ DEFAULT_OUTPUT_DIR = "runs/overhead"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="overhead.py", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="overhead.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--regions", default="1,2",
                         help="comma-separated region counts (1 worker each) to measure (default 1,2)")
     parser.add_argument("--inner-steps", type=int, default=20, metavar="H", help="default 20")
@@ -149,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         from step_log_cost import main as step_log_main
 
         return step_log_main(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     counts = [int(x) for x in args.regions.split(",") if x.strip()]
     if not counts or min(counts) < 1 or args.inner_steps < 1 or args.outer_steps < 1:
-        raise SystemExit("overhead.py: --regions needs counts >= 1; --inner-steps and --outer-steps >= 1")
+        parser.error("--regions needs counts >= 1; --inner-steps and --outer-steps >= 1")
     import ray
 
     from ray_diloco.driver import run_training

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ray_diloco.cli import OneLineErrors
+
 ROOT = Path(__file__).resolve().parents[1]
 POISONED_REGION = "region-c"
 # (label, aggregation, factor of the poisoned region's Δ or None)
@@ -31,7 +33,7 @@ ARMS = (("clean-mean", "mean", None), ("poisoned-clipped", "clipped", "factor"),
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="poisoned.py", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="poisoned.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="inner steps per worker")
     parser.add_argument("--h", type=int, default=20, help="inner steps per round (must divide --steps)")
     parser.add_argument("--factor", type=float, default=1000.0, help="the poisoned region's Δ is multiplied by it")
@@ -68,13 +70,14 @@ def clipped_rounds(summary: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.steps < 1 or args.h < 1 or args.steps % args.h:
-        raise SystemExit(f"poisoned.py: --h {args.h} must divide --steps {args.steps}")
+        parser.error(f"--h {args.h} must divide --steps {args.steps}")
     wanted = set(args.arms.split(","))
     if wanted - {label for label, _, _ in ARMS}:
-        raise SystemExit(f"poisoned.py: --arms: {sorted(wanted - {label for label, _, _ in ARMS})} unknown; choose "
-                         f"from {', '.join(label for label, _, _ in ARMS)}")
+        parser.error(f"--arms: {sorted(wanted - {label for label, _, _ in ARMS})} unknown; choose "
+                     f"from {', '.join(label for label, _, _ in ARMS)}")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     arms = [arm for arm in ARMS if arm[0] in wanted]
     rows = []

@@ -26,7 +26,7 @@ class OneLineErrors(argparse.ArgumentParser):
     would print the whole usage block first). `--help` still shows the usage."""
 
     def error(self, message: str):
-        self.exit(2, f"ray-diloco: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog.split()[0]}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

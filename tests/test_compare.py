@@ -99,8 +99,3 @@ def test_diloco_fp16_sends_half_of_1_over_h_of_ddp(result):
     for region, sent in fp16["bytes_sent_by_group"].items():
         assert bound * 0.9 <= sent <= bound * 1.05, (region, sent, bound)
     assert ddp["bytes_ratio_to_ddp"] == 1.0
-
-
-def test_an_unknown_arm_is_one_line():
-    with pytest.raises(SystemExit, match=r"^compare.py: --arms: \['dilcoo'\] unknown; choose from ddp, "):
-        load_compare().check_args(load_compare().build_parser().parse_args(["--arms", "dilcoo"]))

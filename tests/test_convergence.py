@@ -47,8 +47,9 @@ def test_one_sparseloco_arm_of_two_regions_and_a_resumed_grid(tmp_path):
 
 def test_every_arm_of_the_default_grid_is_a_configuration_the_cli_takes(tmp_path):
     convergence = load_convergence()
-    args = convergence.build_parser().parse_args([])
-    hs, seeds = convergence.check(args)
+    parser = convergence.build_parser()
+    args = parser.parse_args([])
+    hs, seeds = convergence.check(args, parser)
     arms = convergence.grid(args.workers, hs, seeds)
     assert len({a.label for a in arms}) == len(arms) == 27
     for arm in arms:

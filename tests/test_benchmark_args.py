@@ -1,0 +1,26 @@
+"""A benchmark given bad arguments says so in one line naming the flag and exits 2 (as argparse does for a bad
+type, and as the CLI does), before it starts anything: they once exited 1 with a bare message."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("convergence.py", ["--steps", "10", "--h", "7"], "--h 7 must divide --steps 10"),
+    ("convergence.py", ["--arms", "nothing-*"], "--arms 'nothing-*' names no arm"),
+    ("poisoned.py", ["--steps", "10", "--h", "7"], "--h 7 must divide --steps 10"),
+    ("poisoned.py", ["--arms", "dirty-mean"], "--arms: ['dirty-mean'] unknown; choose from clean-mean"),
+    ("compare.py", ["--arms", "dilcoo"], "--arms: ['dilcoo'] unknown; choose from ddp, "),
+    ("overhead.py", ["--regions", "0"], "--regions needs counts >= 1"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(script, argv, message):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"{script}: error: {message}"), done.stderr
+    assert done.stderr.count("\n") == 1 and not done.stdout, done.stderr
