@@ -39,6 +39,7 @@ from ray_diloco.plots import write_loss_png
 from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
 from ray_diloco.run_setup import PreparedRun, prepare_run, resume_plan, training_groups
 from ray_diloco.run_storage import held_regions
+from ray_diloco.methods.settings import describe_outer
 from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release_all, wait_for_groups,
                                    wait_until_dead)
 from ray_diloco.stopping import RunStop, RunStopped
@@ -280,8 +281,9 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
         model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
         num_params = count_parameters(model)
         eval_start, _ = evaluate_state(cfg, model, None, windows)
+        outer = f"; {describe_outer(cfg.outer)}" if cfg.run.mode == "diloco" else ""
         print(f"[driver] mode {cfg.run.mode}: {len(groups)} group(s) {[(g.name, g.workers) for g in groups]}, "
-              f"{num_params:,} parameters; held-out loss at start {eval_start:.4f}", flush=True)
+              f"{num_params:,} parameters; held-out loss at start {eval_start:.4f}{outer}", flush=True)
         stop.raise_if_requested()
         outcome = train_groups(cfg, groups, prepared.resume, windows, num_params, before_shutdown, stop)
         stop.finish()  # from here a signal waits for the export and summary

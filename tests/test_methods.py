@@ -240,3 +240,14 @@ def test_one_round_of_the_dct_method_sends_the_largest_coefficients_written_out(
     assert np.allclose(sent["v"].double().numpy(), expected_sent, atol=2e-3)  # fp16 values on the wire
     assert np.allclose(compressor.state["v"].double().numpy().reshape(-1), expected_residual, atol=2e-3)
     assert np.allclose(compressor.aggregate([(1, payload)])["v"].double().numpy(), expected_sent, atol=2e-3)
+
+
+def test_the_start_line_describes_each_outer_method():
+    from ray_diloco.config import OuterConfig
+    from ray_diloco.methods.settings import describe_outer
+
+    assert describe_outer(OuterConfig(inner_steps=50)) == \
+        "outer diloco: H=50, Δ on a scaled-fp16 wire, token-weighted mean, Nesterov lr 0.7 momentum 0.9"
+    dct = OuterConfig(method="dct", momentum=0, nesterov=False, lr=1.0, topk=4, aggregation="clipped")
+    assert describe_outer(dct) == \
+        "outer dct: H=20, top-4 of 64 DCT coefficients per chunk, clipped at 2.0× the median norm, SGD lr 1.0"

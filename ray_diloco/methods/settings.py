@@ -38,3 +38,20 @@ class MethodSettings:
         return cls(outer.method, outer.chunk_size or defaults["chunk_size"], outer.topk or defaults["topk"],
                    outer.quantization_bits, outer.error_decay, outer.aggregation,
                    outer.clip_factor if outer.aggregation == "clipped" else None)
+
+
+def describe_outer(outer) -> str:
+    """The outer step of a diloco-mode run in a few words, for the driver's start line: what a round sends and how
+    it is applied, so a run with the wrong method or wire shows it before its first round."""
+    if outer.method in DEFAULTS:
+        method = MethodSettings.of(outer)
+        what = f"values at {method.bits} bits" if method.name == "sparseloco" else "DCT coefficients"
+        sent = f"top-{method.topk} of {method.chunk_size} {what} per chunk"
+    else:
+        sent = f"Δ on a {outer.compression} wire"
+    step = f"Nesterov lr {outer.lr} momentum {outer.momentum}" if outer.nesterov else f"SGD lr {outer.lr}"
+    if outer.momentum and not outer.nesterov:
+        step += f" momentum {outer.momentum}"
+    combined = (f"clipped at {outer.clip_factor}× the median norm" if outer.aggregation == "clipped"
+                else "token-weighted mean")
+    return f"outer {outer.method}: H={outer.inner_steps}, {sent}, {combined}, {step}"
