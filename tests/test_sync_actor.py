@@ -449,3 +449,22 @@ def test_refused_peers_are_reported_once_each_up_to_a_bound_and_all_counted(tmp_
     reported = [e["peer"] for e in actor.events if e["event"] == "peer_rejected"]
     assert reported == [f"peer-{i}" for i in range(REPORTED_PEERS)]
     assert actor.stats()["peers_rejected"] == REPORTED_PEERS + 21
+
+
+def test_routine_events_log_at_info_and_the_rest_at_warning(caplog):
+    """A healthy run's start-up and resizes are not warnings; a refused peer or a failed checkpoint is."""
+    import logging
+    from types import SimpleNamespace
+
+    from ray_diloco.sync.actor import SyncActorImpl
+
+    region = SimpleNamespace(events=[], region="region-a", outer=SimpleNamespace(step_count=3),
+                             config=SimpleNamespace(run=SimpleNamespace(name="levels")))
+    with caplog.at_level(logging.INFO, logger="ray_diloco.sync.actor"):
+        for kind in ("hivemind_started", "peer_connected", "group_resized", "peer_rejected", "checkpoint_failed"):
+            SyncActorImpl.record_event(region, kind)
+    levels = {record.getMessage().split("'event': '")[1].split("'")[0]: record.levelno for record in caplog.records}
+    info, warning = logging.INFO, logging.WARNING
+    assert levels == {"hivemind_started": info, "peer_connected": info, "group_resized": info,
+                      "peer_rejected": warning, "checkpoint_failed": warning}
+    assert [e["event"] for e in region.events] == list(levels)

@@ -58,6 +58,9 @@ from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
 from ray_diloco.sync.rounds import PendingRound, Rounds, poison_factor_for_test
 
 logger = logging.getLogger(__name__)
+# Events of a healthy run (start-up, a peer met, an outage over, a resume, an autoscaler's resize): logged at INFO.
+# Every other event is something a user may need to act on, at WARNING.
+ROUTINE_EVENTS = frozenset({"hivemind_started", "peer_connected", "dht_recovered", "resumed", "group_resized"})
 REPORTED_PEERS = 64  # refused (peer, what) pairs reported as events; the rest are counted
 
 
@@ -218,7 +221,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         event = {"event": kind, "region": self.region, "outer_step": self.outer.step_count,
                  "time": time.time(), **details}
         self.events.append(event)
-        logger.warning("[%s] %s", self.region, event)
+        logger.log(logging.INFO if kind in ROUTINE_EVENTS else logging.WARNING, "[%s] %s", self.region, event)
         metrics.safely(metrics.record_event, self.config.run.name, self.region, kind)
 
     def note_inner(self, loss: float, tokens_per_second: float, lr: float) -> None:
