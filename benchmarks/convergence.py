@@ -194,9 +194,25 @@ def markdown(rows: list[dict], settings: dict) -> str:
         lines.append(f"| {r['arm']} | {r['regions']} | {r['H'] if r['mode'] == 'diloco' else '-'} "
                      f"| {r['eval_loss_at_start']:.3f} → {r['eval_loss']:.4f} | {r['bytes_per_round']:,.0f} "
                      f"| {r['bits_per_parameter']:.3f} | {ratio} | {r['wall_seconds']:.0f} |")
+    command = " ".join(command_for(settings["argv"], [r["arm"] for r in rows]))
     return "\n".join(lines) + (f"\n\n{settings['steps']} inner steps per worker, batch {settings['batch_size']}"
                                f" × 128 tokens, tiny-cpu model, from scratch. `python benchmarks/convergence.py "
-                               f"{' '.join(settings['argv'])}`\n")
+                               f"{command}` (each arm resumable: a grid run in several invocations reads back the "
+                               "arms already done)\n")
+
+
+def command_for(argv: list[str], arms: list[str]) -> list[str]:
+    """The invocation that gives every row of the table: this one's flags with --arms naming all of them (a grid
+    is often run an arm or two at a time; the table holds every arm done so far)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--arms":
+            skip = True
+        elif not arg.startswith("--arms="):
+            kept.append(arg)
+    return kept + ["--arms", ",".join(arms)]
 
 
 def plot(rows: list[dict], loss_png: Path, pareto_png: Path) -> None:
