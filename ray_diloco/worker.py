@@ -31,6 +31,7 @@ from ray_diloco.inner_step import InnerStep, local_shard, shard_model
 from ray_diloco.model import build_model
 from ray_diloco.sharding import from_wire, to_wire
 from ray_diloco.step_log import StepLog
+from ray_diloco.sync import policy
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
 
@@ -222,8 +223,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             outer_step = reached
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
-            every = cfg.run.checkpoint_every
-            if stop or (every and outer_step % every == 0):
+            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop):
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)

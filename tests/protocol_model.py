@@ -71,6 +71,8 @@ class Schedule:
     averaging_timeout: float = 10.0  # a settling region gives up loading a state max_wait + this after its end
     download: float = 0.0  # seconds a state download takes (a holder that died or moved on meanwhile fails it)
     leave_after_finish: float | None = None  # a finished region's driver exits then: its DHT record and server go
+    checkpoint_every: int = 1  # run.checkpoint_every: a crash resumes from the last multiple (and replays since)
+    nonfinite: frozenset[tuple[str, int]] = frozenset()  # (region, data window) whose Δ is NaN/inf (each time it is trained)
 
 
 @dataclass
@@ -93,6 +95,9 @@ class Outcome:
     dead: dict[str, str] = field(default_factory=dict)  # region -> why it ended without finishing
     unsettled: set[str] = field(default_factory=set)  # ended without reading the others' records (DHT down)
     ready: list[tuple[int, str, float]] = field(default_factory=list)  # (outer step, region, when it was ready)
+    stopped: dict[str, str] = field(default_factory=dict)  # region -> why it stopped with an error (Resync's Stop)
+    sat_out: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each non-finite round
+    replayed: dict[str, int] = field(default_factory=dict)  # region -> windows trained again after a crash
 
 
 @dataclass

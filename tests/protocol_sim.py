@@ -13,7 +13,14 @@ region: a finished region's driver exits (`Schedule.leave_after_finish`), its re
 state stays in the run's storage (`policy.with_stored`).
 With `Schedule.overlap` (outer.overlap), the workers go on training the next window from the moment they hand
 in one, from θ_global before the round plus their drift (ray_diloco.sync.actor); a round still runs only after
-the previous one ended, and the last round blocks.
+the previous one ended, and the last round and checkpointed ones block (`policy.may_overlap`).
+`Schedule.checkpoint_every` (run.checkpoint_every): a crashed region resumes from its last checkpoint and trains
+the windows since then again (`Outcome.replayed`). `Schedule.nonfinite`: a region whose Δ of that window is
+NaN/inf sits the round out and re-syncs from a newer state with `policy.Resync`, or stops (`Outcome.stopped`).
+
+Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
+`policy.round_arrival`, `may_overlap`, `published_group` and `checkpoints_at`; what it still re-implements is
+the loop that strings them together (the SyncActor's exchange, `_complete_round` and `_run_round`).
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
 swap in the old rules one at a time and show that the properties in `violations` (protocol_model.py) catch each fault.
@@ -33,7 +40,7 @@ from protocol_model import (COMPRESSION, POLL, REPUBLISH, TRANSFER, Outcome, Reg
 from ray_diloco.sync import policy
 from ray_diloco.sync.codecs import get_codec
 from ray_diloco.sync.outer import OuterOptimizer, state_digest, weighted_average
-from ray_diloco.sync.policy import FINISHED, READY, TRAINING, UNSETTLED, StateRecord
+from ray_diloco.sync.policy import FINISHED, OUT, READY, TRAINING, UNSETTLED, StateRecord
 
 
 class Simulator:
@@ -256,7 +263,10 @@ class Simulator:
         outer.step_count = step
         region = _Region(plan, outer, state_digest(outer.global_state()), progress, incarnation=incarnation)
         self.regions[plan.name] = region
-        self.out.windows.setdefault(plan.name, [])
+        windows = self.out.windows.setdefault(plan.name, [])
+        if len(windows) > progress:  # trained since the last checkpoint (run.checkpoint_every > 1): again now
+            self.out.replayed[plan.name] = self.out.replayed.get(plan.name, 0) + len(windows) - progress
+            del windows[progress:]
         return region
 
     def _join(self, region: _Region):
@@ -313,14 +323,22 @@ class Simulator:
                 delta = {k: base_theta[k] - local[k] for k in base_theta}
             # As SyncActorImpl._complete_round: the deadline counts from when the region would be in had its
             # last round blocked (= now without overlap).
-            arrived = max(self.now, round_ended + (self.now - started)) if rules.blocking_time_deadline else self.now
+            arrived = (policy.round_arrival(self.now, round_ended, self.now - started) if rules.blocking_time_deadline
+                       else self.now)
             overlapped = None
-            if s.overlap and region.outer.step_count + 1 < s.target:
+            finite = (name, window) not in s.nonfinite
+            if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
+                                  checkpoint_every=s.checkpoint_every, stopping=False, finite=finite):
                 newest = region.outer.global_state()
                 overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
             before_round = (region.outer.step_count, region.digest,
                             {k: v.clone() for k, v in region.outer.global_state().items()})
-            result = yield from self._rendezvous(region, arrived, delta)
+            if not finite:  # as Rounds._skip_nonfinite_round: sit out, take a newer state, or stop
+                if not (yield from self._sit_out(region)):
+                    return
+                result = None
+            else:
+                result = yield from self._rendezvous(region, arrived, delta)
             if result is False:
                 return
             round_ended = self.now
@@ -328,14 +346,15 @@ class Simulator:
                 averaged, consistent, group, log = result
                 rules.outer_step(region.outer, averaged, plan.cpu)
                 region.digest = state_digest(region.outer.global_state())
-                self.publish(region, group if consistent else 1)
+                self.publish(region, policy.published_group(group, consistent))
                 log["after"][name] = full_key(region.outer)
             if region.outer.step_count > s.target:
                 self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
             self.out.windows[name].append(window)
             region.progress += 1
-            self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
-                                      dict(region.outer.momentum_state()), region.progress)
+            if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=False):
+                self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
+                                          dict(region.outer.momentum_state()), region.progress)
             if not rules.atomic_handshake and any(arrived < t <= self.now for t in plan.restarts):
                 stale_base = before_round
             if region.outer.step_count >= s.target:
@@ -386,6 +405,34 @@ class Simulator:
             # just before the give-up time ends one download after it.
             if self.now - arrived > s.max_wait + max(s.ttl, self.download_bound() + s.download) + POLL + 1e-6:
                 self.out.violations.append(f"bounded: {name} waited {self.now - arrived:.1f}s to rendezvous")
+
+    def _sit_out(self, region: _Region):
+        """As Rounds._skip_nonfinite_round with Membership._resync_from_newer: publish OUT (nobody waits for us),
+        then the same `policy.Resync` machine, on this region's own clock. Returns False if the region stopped."""
+        name, s = region.plan.name, self.s
+        own_step = region.outer.step_count
+        self.out.sat_out.append((name, own_step))
+        self._set_phase(region, OUT)
+        machine = policy.Resync(own_step=own_step, region=name, poll=POLL,
+                                give_up=self.clock(name) + s.max_wait + self.download_bound())
+        started = self.now
+        while True:
+            # Its own clock may run slow (drift up to 1e-4): its give-up time comes that much later here.
+            if self.now - started > (s.max_wait + self.download_bound() + s.download + POLL) * 1.001:
+                self.out.violations.append(f"bounded: {name} sat out for {self.now - started:.1f}s")
+            action = machine.next(self.read(name), self.clock(name))
+            if isinstance(action, policy.Adopt):
+                loaded = yield from self._load(region, action.record)
+                machine.loaded(loaded)
+                if loaded:
+                    self.publish(region, 0)
+                    return True
+            elif isinstance(action, policy.Sleep):
+                yield action.seconds / (1.0 + region.plan.clock_drift)
+            else:  # the region's workers fail with the error; the region ends (its record expires)
+                self.out.stopped[name] = action.why
+                self._end(name, "depart")
+                return False
 
     def _settle(self, region: _Region):
         if self.rules.settle_at_end is None:

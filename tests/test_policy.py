@@ -9,7 +9,9 @@
   newer or canonical state first, and finishes without a round at the target step (fault 2);
 * with the DHT unreadable it waits until the deadline, then runs with the last group it knew (fault 4);
 * settle_at_end waits for regions behind the target, then adopts the canonical state or finishes;
-* join_target never goes back to a lower step.
+* join_target never goes back to a lower step;
+* the rest of a round: checkpoints_at, may_overlap (never the last, a checkpointed or a diverged round),
+  round_arrival, published_group, and the Resync machine of a region that sat a round out.
 """
 
 from __future__ import annotations
@@ -24,13 +26,20 @@ from ray_diloco.sync.policy import (
     Finish,
     Run,
     StateRecord,
+    Resync,
+    Sleep,
+    Stop,
     Wait,
+    checkpoints_at,
     choose_canonical,
     final_state,
     join_target,
+    may_overlap,
     needs_resync,
     newer_state,
     plan_round,
+    published_group,
+    round_arrival,
     settle_at_end,
 )
 
@@ -166,3 +175,48 @@ def test_a_state_download_is_bounded_by_its_size_at_the_slowest_allowed_link():
     assert download_seconds(state_bytes, mbps=100.0, at_least=120.0) == pytest.approx(128.0)
     assert download_seconds(state_bytes, mbps=10.0, at_least=120.0) == pytest.approx(1280.0)
     assert download_seconds(1000, mbps=100.0, at_least=120.0) == 120.0  # a tiny model: the floor
+
+
+def test_checkpoints_every_k_steps_and_where_the_run_stops():
+    assert [step for step in range(1, 9) if checkpoints_at(step, 3, stopping=False)] == [3, 6]
+    assert not any(checkpoints_at(step, 0, stopping=False) for step in range(1, 9))  # 0: never
+    assert checkpoints_at(5, 0, stopping=True) and checkpoints_at(5, 3, stopping=True)
+
+
+@pytest.mark.parametrize("reached, every, stopping, finite, overlaps", [
+    (2, 0, False, True, True),
+    (5, 0, False, True, False),  # the last round: the workers end on the final state
+    (3, 3, False, True, False),  # a checkpointed round: the checkpoint holds the state after it
+    (1, 1, False, True, False),  # checkpoint_every 1: no round overlaps
+    (2, 3, True, True, False),  # the run stops there (with a checkpoint)
+    (2, 0, False, False, False),  # a non-finite Δ: the region takes another's state as it is
+])
+def test_a_round_overlaps_unless_it_ends_the_run_is_checkpointed_or_diverged(reached, every, stopping, finite,
+                                                                             overlaps):
+    assert may_overlap(overlap=True, reached=reached, target=5, checkpoint_every=every, stopping=stopping,
+                       finite=finite) is overlaps
+    assert not may_overlap(overlap=False, reached=2, target=5, checkpoint_every=0, stopping=False, finite=True)
+
+
+def test_the_deadline_counts_from_where_a_blocking_region_would_be():
+    assert round_arrival(now=100.0, last_round_ended=90.0, window=10.0) == 100.0  # blocking: now
+    assert round_arrival(now=100.0, last_round_ended=95.0, window=30.0) == 125.0  # overlapped: one window later
+
+
+def test_a_round_that_failed_mid_way_publishes_a_group_of_one():
+    assert published_group(3, consistent=True) == 3 and published_group(3, consistent=False) == 1
+
+
+def test_resync_adopts_a_newer_state_retries_a_failed_load_and_stops_after_its_bound():
+    machine = Resync(own_step=4, region="a", give_up=100.0, poll=0.5)
+    same = [R("a", 4, "x", 1, OUT), R("b", 4, "y", 2, READY)]
+    assert machine.next(same, now=10.0) == Sleep(0.5)  # nobody past step 4 yet
+    newer = [*same, R("c", 5, "z", 2)]
+    assert machine.next(newer, now=20.0) == Adopt(R("c", 5, "z", 2))
+    machine.loaded(False)
+    assert machine.next(newer, now=21.0) == Sleep(0.5)  # a failed load waits a poll before the next try
+    assert machine.next(newer, now=22.0) == Adopt(R("c", 5, "z", 2))
+    machine.loaded(False)
+    assert isinstance(machine.next(newer, now=101.0), Stop)
+    assert isinstance(machine.next(None, now=101.0), Stop)  # the DHT unreadable past the bound
+    assert machine.next(None, now=50.0) == Sleep(0.5)

@@ -72,8 +72,19 @@ def schedules(draw, faults: bool = True, crashes: bool = True) -> Schedule:
     leave = draw(st.sampled_from([None, 0.0, 5.0, 60.0])) if faults else None
     # A state download: instant, a few seconds, or slower than the others' rounds (a region that chases).
     download = draw(st.sampled_from([0.0, 0.0, 2.0, 20.0, 90.0])) if faults else 0.0
+    # run.checkpoint_every: a crash resumes from an older checkpoint and trains the windows since then again.
+    every = draw(st.sampled_from([0, 1, 1, 2, 3])) if faults else 1
+    # A diverged window (NaN/inf Δ): the region sits that round out and takes a newer state, or stops; or every
+    # region diverges at the same window (an inner lr too high for all): nobody has a newer state.
+    windows = st.tuples(st.sampled_from([p.name for p in plans]), st.integers(0, target - 1))
+    diverge = draw(st.integers(0, 5)) if faults else 5
+    nonfinite = frozenset(draw(st.lists(windows, max_size=2))) if diverge <= 1 else frozenset()
+    if diverge == 2:
+        at = draw(st.integers(0, target - 1))
+        nonfinite = frozenset((p.name, at) for p in plans)
     return Schedule(tuple(plans), target=target, failing_steps=failing, max_wait=MAX_WAIT,
-                    matchmaking=MATCHMAKING, ttl=TTL, leave_after_finish=leave, download=download)
+                    matchmaking=MATCHMAKING, ttl=TTL, leave_after_finish=leave, download=download,
+                    checkpoint_every=every, nonfinite=nonfinite)
 
 
 SLOWEST = "z"  # a region far slower than max_wait: it may miss rounds, the others must still meet
@@ -163,15 +174,17 @@ def test_property_skew_up_to_max_wait_averages_every_round(schedule):
 
 
 def overlapped(schedule: Schedule) -> Schedule:
-    return dataclasses.replace(schedule, overlap=True)
+    """outer.overlap, with the run's checkpoints as a user would set them: a checkpointed round blocks
+    (`policy.may_overlap`), so checkpoint_every 1 would overlap nothing; it becomes 0 (never) here."""
+    every = 0 if schedule.checkpoint_every == 1 else schedule.checkpoint_every
+    return dataclasses.replace(schedule, overlap=True, checkpoint_every=every)
 
 
 @PROPERTY_SETTINGS
-@given(schedules(crashes=False).map(overlapped))
+@given(schedules().map(overlapped))
 def test_property_overlapped_rounds_keep_the_invariants(schedule):
-    """outer.overlap: every fault but a crash of a whole region (with overlap, checkpoints are taken only at
-    the rounds that block, so a crash re-trains the windows after the last one, as blocking rounds with
-    run.checkpoint_every > 1 do: the windows property does not hold there by design)."""
+    """outer.overlap, every fault: a crashed region resumes from its last checkpoint (or from the start, with
+    none) and trains the windows after it again (counted in Outcome.replayed), as a user's run does."""
     _, found = simulate(schedule)
     assert not found, found
 
@@ -181,6 +194,28 @@ def test_property_overlapped_rounds_keep_the_invariants(schedule):
 def test_property_overlapped_skew_up_to_max_wait_averages_every_round(schedule):
     found = skew_violations(schedule)
     assert not found, found
+
+
+COVERAGE_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                             phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+REACHED = {  # paths the random schedules must reach, or the properties above say nothing about them
+    "a region sat a round out (non-finite Δ), took a newer state and finished": lambda out: any(
+        name in out.finished for name, _ in out.sat_out),
+    "a region sat a round out and stopped: nobody held a newer state": lambda out: bool(out.stopped),
+    "a crashed region resumed from an older checkpoint, trained windows again and finished": lambda out: any(
+        name in out.finished for name in out.replayed),
+}
+
+
+@pytest.mark.parametrize("path", sorted(REACHED))
+@pytest.mark.parametrize("strategy", ["blocking", "overlapped"])
+def test_the_random_schedules_reach_each_path(path, strategy):
+    schedules_of = schedules() if strategy == "blocking" else schedules().map(overlapped)
+    try:
+        example = find(schedules_of, lambda schedule: REACHED[path](simulate(schedule)[0]), settings=COVERAGE_SETTINGS)
+    except NoSuchExample:
+        pytest.fail(f"no schedule of {EXAMPLES} ({strategy}) reached: {path}")
+    assert not simulate(example)[1]
 
 
 # -- the old rules, one fault at a time ---------------------------------------------------------------------

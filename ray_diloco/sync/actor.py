@@ -54,6 +54,7 @@ from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.compressed import CompressedRounds
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
+from ray_diloco.sync import policy
 from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
 from ray_diloco.sync.rounds import PendingRound, Rounds, poison_factor_for_test
 
@@ -391,13 +392,9 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
             self._drop_overlap_base()
         except Exception:  # noqa: BLE001 — it failed before its outer step (recorded by _round): the same
             self._drop_overlap_base()
-        # The others count this round's deadline from when we would be in had the last round blocked: the end
-        # of the last round plus the window the workers just trained (= now, without overlap). From our arrival
-        # instead, an overlapped region, one window ahead, would leave a region slower by less than max_wait
-        # out of rounds (found by the protocol property tests).
         pending.inner_report = dict(self.inner_report)  # an overlapped round ends after the next window's note
-        window = pending.first_in - self._handed_back
-        pending.idle_after = max(0.0, self._round_ended + window - time.perf_counter())
+        now = time.perf_counter()  # the others' deadline counts from policy.round_arrival, up to a window later
+        pending.idle_after = policy.round_arrival(now, self._round_ended, pending.first_in - self._handed_back) - now
         local = assemble(pending.shards, self.shapes)
         # The region's own pseudo-gradient: from the state its workers started this round from.
         base = self.base if self.base is not None else self.outer.global_state()
@@ -416,13 +413,12 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         return self.base, self.workers_step
 
     def _overlaps(self, delta: dict[str, torch.Tensor]) -> bool:
-        """Whether this round may run while the workers train on (outer.overlap): not the run's last round,
-        nor one whose state is checkpointed or where the run stops, nor one with a diverged Δ (the region then
-        adopts another region's state, which its workers must take as it is)."""
-        run, reached = self.config.run, self.outer.step_count + 1
-        return (self.config.outer.overlap and not self.stop_requested and reached < run.outer_steps
-                and not (run.checkpoint_every and reached % run.checkpoint_every == 0)
-                and not any(count_nonfinite(t) for t in delta.values()))
+        """Whether this round may run while the workers train on: `policy.may_overlap`."""
+        run = self.config.run
+        return policy.may_overlap(overlap=self.config.outer.overlap, reached=self.outer.step_count + 1,
+                                  target=run.outer_steps, checkpoint_every=run.checkpoint_every,
+                                  stopping=self.stop_requested,
+                                  finite=not any(count_nonfinite(t) for t in delta.values()))
 
     async def _finish_in_flight(self) -> None:
         """Waits for the overlapped round still running, if any (every caller the same round: the ranks of a

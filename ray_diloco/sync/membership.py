@@ -326,13 +326,15 @@ class Membership:
     def _resync_from_newer(self, own_step: int) -> bool:
         """Wait (up to max_wait plus one download) for another region's record past `own_step`; adopt the
         canonical one. False if none appeared or none could be loaded in time."""
-        # The others may wait up to max_wait for stragglers before their round: wait that long too.
-        deadline = time.monotonic() + self.config.outer.max_wait_seconds + self._download_seconds()
+        machine = policy.Resync(own_step=own_step, region=self.region, poll=POLL_SECONDS,
+                                give_up=time.monotonic() + self.config.outer.max_wait_seconds + self._download_seconds())
 
         def attempt() -> bool | Again:
-            newer = policy.newer_state(own_step, self.region, self._read_records() or [])
-            if newer is not None and self._adopt(newer, "resync"):
-                return True
-            return False if time.monotonic() >= deadline else Again(POLL_SECONDS)
+            action = machine.next(self._read_records(), time.monotonic())
+            if isinstance(action, policy.Adopt):
+                loaded = self._adopt(action.record, "resync")
+                machine.loaded(loaded)
+                return True if loaded else Again(0.0)
+            return Again(action.seconds) if isinstance(action, policy.Sleep) else False
 
         return poll(attempt)

@@ -8,8 +8,11 @@ A region's life, as the SyncActor runs it with these functions:
    sleep, or end with Run or Finish), deciding with `plan_round`;
 3. after the last round, `Settling` (deciding with `settle_at_end`), then FINISHED (or UNSETTLED, where it could
    not check its state): the region never changes its state again;
-4. a round with a non-finite Δ: the region sits it out (OUT) and takes `newer_state`, or stops.
-Every load is bounded by `download_seconds` (the state's size at the slowest allowed link).
+4. a round with a non-finite Δ: the region sits it out (OUT) and, with `Resync`, takes `newer_state`, or stops.
+Around each round: `round_arrival` (where the others' deadline counts from), `may_overlap` (whether it runs
+while the workers train on), `published_group` (the vote its new state carries), `checkpoints_at` (whether the
+workers and the SyncActor checkpoint it). Every load is bounded by `download_seconds` (the state's size at the
+slowest allowed link). The SyncActor and the simulator (`tests/protocol_sim.py`) call these same functions.
 
 Records. Every region publishes one `StateRecord` in the DHT: its outer step, the digest of its θ_global, the
 size of the group whose round produced that state, and its phase in the round at that step (training, ready to
@@ -305,6 +308,69 @@ class Settling:
         if isinstance(decision, Finish):
             return decision
         return Finish(settled=False) if now > self.give_up else Sleep(max(0.0, min(self.poll, decision.deadline - now)))
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The region cannot go on (a non-finite Δ and no newer state to take): it ends with this error."""
+    why: str
+
+
+class Resync:
+    """A region whose Δ was non-finite sits the round out (its record says OUT: nobody waits for it) until it holds
+    a newer state: `next` returns Adopt (the canonical state past its step: load it, report with `loaded`), Sleep,
+    or Stop once `give_up` passed with none loaded — the others may wait up to max_wait for stragglers before
+    their round and a load takes up to one download, so the SyncActor gives it that long. The SyncActor
+    (`Membership._resync_from_newer`) and the simulator drive the same machine."""
+
+    def __init__(self, *, own_step: int, region: str, give_up: float, poll: float):
+        self.own_step, self.region, self.give_up, self.poll = own_step, region, give_up, poll
+        self.load_failed = False
+
+    def loaded(self, ok: bool) -> None:
+        self.load_failed = not ok
+
+    def next(self, records: list[StateRecord] | None, now: float) -> Adopt | Sleep | Stop:
+        newer = None if self.load_failed else newer_state(self.own_step, self.region, records or [])
+        self.load_failed = False
+        if newer is not None:
+            return Adopt(newer)
+        if now >= self.give_up:
+            return Stop(f"no other region published a state past outer step {self.own_step} that could be loaded "
+                        "in time")
+        return Sleep(self.poll)
+
+
+# -- the rest of a round: checkpoints, overlap, the deadline's origin, the published group ---------------------
+def checkpoints_at(reached: int, every: int, stopping: bool) -> bool:
+    """Whether a region checkpoints the state of outer step `reached` (run.checkpoint_every; 0: never): every
+    `every` steps, and wherever the run stops (started again, it continues from there). The workers and the
+    SyncActor both ask here."""
+    return stopping or bool(every and reached % every == 0)
+
+
+def may_overlap(*, overlap: bool, reached: int, target: int, checkpoint_every: int, stopping: bool,
+                finite: bool) -> bool:
+    """Whether the round that reaches outer step `reached` may run while the workers train on (outer.overlap):
+    not the run's last round (the workers end on the final state), nor a checkpointed one (the checkpoint holds
+    the state after the round), nor one with a non-finite Δ (the region then takes another region's state,
+    which its workers must take as it is)."""
+    return (overlap and finite and reached < target
+            and not checkpoints_at(reached, checkpoint_every, stopping))
+
+
+def round_arrival(now: float, last_round_ended: float, window: float) -> float:
+    """Where the others' deadline for a round counts from: when the region would be in had its last round blocked
+    — that round's end plus the window its workers just trained (= now, without overlap). From its actual arrival,
+    an overlapped region (a window ahead) would leave a region slower by less than max_wait out of rounds (found by
+    the protocol property tests)."""
+    return max(now, last_round_ended + window)
+
+
+def published_group(group_size: int, consistent: bool) -> int:
+    """The group size a region publishes with the state a round produced: a round that failed mid-way left each
+    member a mix of averaged and own parts, so its state is a weak vote (`choose_canonical`): one."""
+    return group_size if consistent else 1
 
 
 def final_state(records: list[StateRecord]) -> StateRecord | None:

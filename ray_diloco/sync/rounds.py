@@ -95,8 +95,8 @@ class Rounds:
             self.compressor.state = result.method_state
         self._digest = state_digest(new_global)
         self._momentum_digest = state_digest(self.outer.momentum_state())
-        if self.sharer is not None:  # a round that failed mid-way is a weak vote: group of one
-            group = result.group_size if result.consistent else 1
+        if self.sharer is not None:
+            group = policy.published_group(result.group_size, result.consistent)
             await self._in_executor(lambda: self._publish_safely(group))
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
