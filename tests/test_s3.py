@@ -187,45 +187,61 @@ def test_results_written_under_an_s3_output_dir_land_in_the_bucket(s3):
 T = 1  # outer steps of the end-to-end run
 
 
-def test_a_run_with_every_path_in_the_bucket(s3):
-    """The whole CLI path: config, data and held-out data read from the bucket; Ray Train's storage, the outer
-    checkpoints, the stored state records and the results written to it."""
+def test_two_runs_at_once_with_every_path_in_one_bucket(s3):
+    """The whole CLI path, twice at once in one bucket (two runs of one team, the same --checkpoint-path and
+    --output-dir, other seeds): config, data and held-out data read from the bucket; Ray Train's storage, the outer
+    checkpoints, the stored state records and the results written to it. Each run ends with its own checkpoints,
+    which load back to the state it exported: neither continued, pruned or overwrote the other's."""
+    bucket = s3.new_bucket()
+    upload_sample(s3, f"{bucket}/c4")
+    # name -> (seed, regions): two runs whose states differ, so a mix-up would show; the second has one region
+    # (of the same name as the first's), which is all a collision needs and costs the 2 cores least.
+    runs = {"s3run": (0, ("a", "b")), "s3run-2": (7, ("a",))}
+    drivers, started = {}, time.monotonic()
+    for name, (seed, regions) in runs.items():
+        config = {"regions": [{"name": region, "workers": 1} for region in regions],
+                  "outer": {"inner_steps": 2, "max_wait_seconds": 30, "matchmaking_seconds": 1,
+                            "averaging_timeout": 30},
+                  "inner": {"warmup_steps": 1},
+                  "data": {"eval_windows": 8},
+                  "run": {"name": name, "seed": seed, "outer_steps": T, "checkpoint_every": 1, "eval_every": 0}}
+        put(s3, f"{bucket}/{name}.yaml", yaml.safe_dump(config).encode())
+        drivers[name] = Driver(["--config", f"{bucket}/{name}.yaml", "--data", f"{bucket}/c4/c4-train.*.json.gz",
+                                "--eval-data", f"{bucket}/c4/c4-validation.00000-of-00001.json.gz",
+                                "--checkpoint-path", f"{bucket}/ckpt", "--output-dir", f"{bucket}/runs"],
+                               driver_env())
+    for name, driver in drivers.items():
+        code = driver.process.wait(timeout=900)
+        assert code == 0, driver.output()[-4000:]
+    print(f"two end-to-end runs at once: {time.monotonic() - started:.0f} s")
+    exported = {name: check_run_in_bucket(s3, bucket, name, regions) for name, (_, regions) in runs.items()}
+    assert exported["s3run"] != exported["s3run-2"]
+
+
+def check_run_in_bucket(s3, bucket: str, name: str, regions: tuple[str, ...]) -> str:
+    """The run's results, stored state records and checkpoints in the bucket; returns its exported digest."""
     from ray_diloco.checkpoint import CheckpointStore
     from ray_diloco.model import build_model
     from ray_diloco.worker_checkpoint import load_worker_checkpoint
 
-    bucket = s3.new_bucket()
-    upload_sample(s3, f"{bucket}/c4")
-    config = {"regions": [{"name": name, "workers": 1} for name in ("a", "b")],
-              "outer": {"inner_steps": 2, "max_wait_seconds": 30, "matchmaking_seconds": 1, "averaging_timeout": 30},
-              "inner": {"warmup_steps": 1},
-              "data": {"eval_windows": 8},
-              "run": {"name": "s3run", "outer_steps": T, "checkpoint_every": 1, "eval_every": 0}}
-    put(s3, f"{bucket}/run.yaml", yaml.safe_dump(config).encode())
-    started = time.monotonic()
-    driver = Driver(["--config", f"{bucket}/run.yaml", "--data", f"{bucket}/c4/c4-train.*.json.gz",
-                     "--eval-data", f"{bucket}/c4/c4-validation.00000-of-00001.json.gz",
-                     "--checkpoint-path", f"{bucket}/ckpt", "--output-dir", f"{bucket}/runs"], driver_env())
-    code = driver.process.wait(timeout=600)
-    print(f"end-to-end run: {time.monotonic() - started:.0f} s")
-    assert code == 0, driver.output()[-4000:]
-
-    results = keys(s3, f"{bucket}/runs/s3run")
+    results = keys(s3, f"{bucket}/runs/{name}")
     assert {"summary.json", "config.yaml", "loss.png", "model/config.json", "model/model.safetensors"} <= results
-    summary = json.loads(s3.filesystem().open_input_file(f"{bucket[5:]}/runs/s3run/summary.json").read())
-    assert summary["regions_agree"] and summary["outer_steps"] == T, summary
+    summary = json.loads(s3.filesystem().open_input_file(f"{bucket[5:]}/runs/{name}/summary.json").read())
+    assert summary["outer_steps"] == T and (summary["regions_agree"] or len(regions) == 1), summary
     cfg = ExperimentConfig.from_dict(yaml.safe_load(
-        s3.filesystem().open_input_file(f"{bucket[5:]}/runs/s3run/config.yaml").read()))
+        s3.filesystem().open_input_file(f"{bucket[5:]}/runs/{name}/config.yaml").read()))
     assert cfg.data.path == f"{bucket}/c4/c4-train.*.json.gz"
-    assert keys(s3, cfg.run.states_dir()) >= {"a.json", "b.json"}  # what outlives each region's driver
-    for region in ("a", "b"):
+    if len(regions) > 1:  # what outlives each region's driver (a run of one region keeps none)
+        assert keys(s3, cfg.run.states_dir()) >= {f"{region}.json" for region in regions}
+    for region in regions:
         store = CheckpointStore(join(cfg.run.checkpoint_root(), region))
         assert store.steps() == list(range(1, T + 1))
         saved = store.load()  # loads back from the bucket, and is the state the run exported
-        assert saved.worker_checkpoint and saved.worker_checkpoint.startswith(f"{bucket}/ckpt")
+        assert saved.worker_checkpoint and saved.worker_checkpoint.startswith(f"{bucket}/ckpt/{name}/")
         assert state_digest(saved.theta) == summary["exported_digest"]
         # What a restarted or resumed worker reads: Ray Train's upload, read back through Ray Train's Checkpoint.
         model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed + 1)
         meta = load_worker_checkpoint(saved.worker_checkpoint, model, torch.optim.AdamW(model.parameters()))
         assert meta["outer_step"] == T
         assert state_digest(parameter_state(model)) == summary["exported_digest"]
+    return summary["exported_digest"]
