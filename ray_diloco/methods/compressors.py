@@ -32,13 +32,14 @@ import numpy as np
 import torch
 
 from ray_diloco.methods import dct
+from ray_diloco.methods.bitpack import index_bits, pack_uints, packed_size, unpack_uints
 from ray_diloco.methods.chunks import chunk_count, from_chunks, scatter_chunks, to_chunks, top_k_per_chunk
 from ray_diloco.methods.quantize import dequantize, pack_codes, quantize, unpack_codes
 from ray_diloco.methods.settings import COMPRESSED, MethodSettings
 from ray_diloco.sync.aggregation import scales_of
 from ray_diloco.sync.codecs import power_of_two_scale
 
-MAGIC = b"RDM1"
+MAGIC = b"RDM2"  # 2: indices packed in index_bits(chunk_size) bits (RDM1 took 8 or 16)
 _METHOD_CODE = {"sparseloco": 1, "dct": 2}
 # A decoded value's bound: far beyond any pseudo-gradient, yet a sum over regions and the DCT's inverse (at most
 # 64·0.18 times its largest coefficient) stay far below fp32's 3.4e38, so a checked payload never yields inf.
@@ -57,9 +58,8 @@ class Compressor:
         self.settings = settings
         self.shapes = {name: torch.Size(shape) for name, shape in sorted(shapes.items())}
         self.state: dict[str, torch.Tensor] = {}  # absent: zero (a fresh, joining or re-synced region)
-        # An index within a chunk: one byte where the chunk allows (DCT chunks of 64), else two.
-        self._index_dtype = "u1" if settings.chunk_size <= 256 else "<u2"
-        self._index_bytes = np.dtype(self._index_dtype).itemsize
+        # An index within a chunk in the bits its range needs: 12 for SparseLoCo's chunks of 4096, 6 for DCT's 64.
+        self._index_bits = index_bits(settings.chunk_size)
 
     # -- sending ---------------------------------------------------------------------------------------
     def compress(self, delta: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -89,7 +89,7 @@ class Compressor:
                 sent_chunks = dct.inverse(sent_chunks)  # local: only this region subtracts it
             state[name] = torch.sub(buffer, sent_chunks)
             sent[name] = from_chunks(sent_chunks, shape)
-            parts += [indices.numpy().astype(self._index_dtype).tobytes(), encoded]
+            parts += [pack_uints(indices.numpy(), self._index_bits), encoded]
         return b"".join(parts), sent, state
 
     def _encode_values(self, chosen: torch.Tensor) -> tuple[bytes, torch.Tensor]:
@@ -109,7 +109,7 @@ class Compressor:
         for shape in self.shapes.values():
             selected = chunk_count(shape.numel(), s.chunk_size) * s.topk
             values = 4 * 2 ** s.bits + -(-selected * s.bits // 8) if s.name == "sparseloco" else 4 + 2 * selected
-            total += self._index_bytes * selected + values
+            total += packed_size(selected, self._index_bits) + values
         return total
 
     def decode_payload(self, payload: bytes) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -124,9 +124,8 @@ class Compressor:
         for name, shape in self.shapes.items():
             chunks = chunk_count(shape.numel(), s.chunk_size)
             count = chunks * s.topk
-            raw = np.frombuffer(payload, dtype=self._index_dtype, count=count, offset=offset)
-            indices = torch.from_numpy(raw.astype(np.int64)).view(chunks, s.topk)
-            offset += self._index_bytes * count
+            indices = torch.from_numpy(unpack_uints(payload, offset, count, self._index_bits)).view(chunks, s.topk)
+            offset += packed_size(count, self._index_bits)
             if bool((indices >= s.chunk_size).any()) or bool((indices[:, 1:] <= indices[:, :-1]).any()):
                 raise ValueError(f"{name}: indices out of range or not strictly increasing within a chunk")
             values, offset = self._decode_values(payload, offset, count, name)
