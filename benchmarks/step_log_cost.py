@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_diloco import metrics
-from ray_diloco.inner_step import InnerStep, shard_model
+from ray_diloco.inner_step import InnerStep, compile_layers, shard_model
 from ray_diloco.model import build_model
 from ray_diloco.presets import get_preset
 from ray_diloco.step_log import StepLog
@@ -75,14 +75,18 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     cfg = get_preset(args.preset)
     if args.precision:
         cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, precision=args.precision))
+    if args.compile:
+        cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, compile=True))
     vocab = 50304  # the GPT-2 tokenizer's 50257 rounded up, as resolve_vocab does
     model = build_model(cfg.model, vocab, cfg.data.seq_len, cfg.run.seed)
+    if cfg.inner.compile:
+        compile_layers(model)
     shard_model(model.to(device), device, world, cfg.inner.precision)
     inner_step = InnerStep(model, cfg, device, 0)
     generator = torch.Generator().manual_seed(rank)
     batch = torch.randint(0, vocab, (cfg.data.batch_size, cfg.data.seq_len), generator=generator).to(device)
     batches = FixedBatches(batch)
-    timed_steps(inner_step, batches, args.warmup, "step-log", world, device)
+    warmup_seconds = timed_steps(inner_step, batches, args.warmup, "step-log", world, device)  # a compile, too
     best = {"per-step": float("inf"), "step-log": float("inf")}
     for _ in range(args.repeats):
         for variant in best:
@@ -91,7 +95,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     rate = tokens_per_step * args.steps / best["step-log"]
     results.put({"rank": rank, "device": name, "world": world, "preset": args.preset,
-                 "precision": cfg.inner.precision,
+                 "precision": cfg.inner.precision, "compile": cfg.inner.compile, "warmup_seconds": warmup_seconds,
                  "ms_per_step": {v: 1000 * s / args.steps for v, s in best.items()},
                  "tokens_per_second_per_worker": rate,
                  "mfu": metrics.flops_per_token(cfg.model, vocab, cfg.data.seq_len) * rate
@@ -105,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", default="tiny-cpu", help="model and batch shape (default tiny-cpu)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
                         help="inner.precision (default: the preset's, auto: bf16 on a GPU, fp32 on a CPU)")
+    parser.add_argument("--compile", action="store_true", help="inner.compile: torch.compile each decoder layer")
     parser.add_argument("--world", type=int, default=None,
                         help="ranks (default: the GPU count, or 2 on a machine without one)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default 30)")
@@ -131,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         before, after = row["ms_per_step"]["per-step"], row["ms_per_step"]["step-log"]
         print(f"[step-log] rank {row['rank']} of {row['world']} on {row['device']} ({row['preset']}, "
-              f"{row['precision']}): per-step read "
+              f"{row['precision']}{', compiled' if row['compile'] else ''}): per-step read "
               f"{before:.2f} ms/step, StepLog {after:.2f} ms/step, ratio {before / after:.3f}; "
-              f"{row['tokens_per_second_per_worker']:,.0f} tokens/s/worker, MFU {row['mfu']:.3f}", flush=True)
+              f"{row['tokens_per_second_per_worker']:,.0f} tokens/s/worker, MFU {row['mfu']:.3f}; warm-up "
+              f"{row['warmup_seconds']:.1f} s", flush=True)
     if args.output:
         with open(args.output, "w") as out:
             json.dump(rows, out, indent=2)

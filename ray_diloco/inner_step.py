@@ -31,6 +31,14 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """`inner.compile`: each decoder layer compiled in place (`Module.compile`: its parameters keep their names, so
+    state dicts and checkpoints do not change). Per layer rather than the whole model: one graph reused by every
+    layer, and FSDP2's per-layer gathers stay outside the compiled code."""
+    for layer in model.model.layers:
+        layer.compile()
+
+
 def shard_model(model: torch.nn.Module, device: torch.device, world_size: int, precision: str) -> torch.nn.Module:
     """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head).
 

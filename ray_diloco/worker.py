@@ -27,7 +27,7 @@ from ray_diloco import metrics
 from ray_diloco.batches import WorkerBatches, region_progress
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.inner import reset_nonfinite_state
-from ray_diloco.inner_step import InnerStep, local_shard, shard_model
+from ray_diloco.inner_step import InnerStep, compile_layers, local_shard, shard_model
 from ray_diloco.model import build_model
 from ray_diloco.sharding import from_wire, to_wire
 from ray_diloco.step_log import StepLog
@@ -154,6 +154,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(max(1, int(loop_config.get("threads_per_worker", 1))))
 
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed, cfg.run.init_from)
+    if cfg.inner.compile:
+        compile_layers(model)
     shard_model(model.to(device), device, world_size, cfg.inner.precision)
     H = cfg.outer.inner_steps
     inner_step = InnerStep(model, cfg, device, 0)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_diloco.inner_step import InnerStep, compute_dtype, shard_model
+from ray_diloco.inner_step import InnerStep, compile_layers, compute_dtype, shard_model
 from ray_diloco.model import build_model
 from ray_diloco.presets import tiny_cpu
 
@@ -52,12 +52,16 @@ def _steps(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     device = torch.device("cpu")
-    for precision in ("fp32", "bf16", "fp16"):
+    for label in ("fp32", "bf16", "fp16", "fp32-compiled"):
+        precision, compiled = label.split("-")[0], label.endswith("compiled")
         base = tiny_cpu()
         cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
                                                                   num_layers=2, num_heads=2),
-                                  inner=dataclasses.replace(base.inner, precision=precision, warmup_steps=0))
+                                  inner=dataclasses.replace(base.inner, precision=precision, warmup_steps=0,
+                                                            compile=compiled))
         model = build_model(cfg.model, VOCAB, 16, seed=0)
+        if compiled:
+            compile_layers(model)
         shard_model(model, device, 2, precision)
         seen = []
         proj = model.model.layers[0].self_attn.q_proj
@@ -68,7 +72,9 @@ def _steps(rank: int, port: int, results) -> None:
         batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))
         losses = [step(SameBatch(batch))[0].item() for _ in range(3)]
         scale = step.scaler.get_scale() if step.scaler else None
-        results.put((rank, precision, seen[0], {p.dtype for p in model.parameters()}, losses, scale))
+        names = [name for name, _ in model.named_parameters()]
+        is_compiled = model.model.layers[0]._compiled_call_impl is not None  # what Module.compile sets
+        results.put((rank, label, seen[0], {p.dtype for p in model.parameters()}, losses, scale, names, is_compiled))
     dist.destroy_process_group()
 
 
@@ -82,7 +88,7 @@ def outcomes():
     processes = [context.Process(target=_steps, args=(rank, port, results)) for rank in range(2)]
     for process in processes:
         process.start()
-    rows = [results.get(timeout=300) for _ in range(6)]
+    rows = [results.get(timeout=300) for _ in range(8)]
     for process in processes:
         process.join(timeout=60)
     return {(rank, precision): rest for rank, precision, *rest in rows}
@@ -92,7 +98,7 @@ def outcomes():
                                               ("fp16", torch.float16)])
 def test_layers_compute_in_the_precision_while_the_shards_stay_fp32(outcomes, precision, dtype):
     for rank in range(2):
-        (weight_dtype, out_dtype), shard_dtypes, losses, _ = outcomes[(rank, precision)]
+        (weight_dtype, out_dtype), shard_dtypes, losses, _, _, _ = outcomes[(rank, precision)]
         assert (weight_dtype, out_dtype) == (dtype, dtype)
         assert shard_dtypes == {torch.float32}
         assert all(torch.isfinite(torch.tensor(losses)))
@@ -104,3 +110,14 @@ def test_an_fp16_overflow_in_one_ranks_shard_skips_the_step_and_halves_the_scale
     their loss scales would part."""
     assert [outcomes[(rank, "fp16")][3] for rank in range(2)] == [2.0**15] * 2  # 2**16 halved once
     assert outcomes[(0, "bf16")][3] is None
+
+
+def test_compiled_layers_train_as_the_eager_ones_and_keep_their_parameter_names(outcomes):
+    """inner.compile: the same losses (inductor fuses kernels, so to fp32 rounding, not bit for bit) and the same
+    parameter names, so a checkpoint of either loads into the other."""
+    for rank in range(2):
+        eager, compiled = outcomes[(rank, "fp32")], outcomes[(rank, "fp32-compiled")]
+        assert compiled[5] and not eager[5]
+        assert compiled[0] == (torch.float32, torch.float32)
+        assert compiled[2] == pytest.approx(eager[2], rel=1e-5)
+        assert compiled[4] == eager[4] and not any("_orig_mod" in name for name in compiled[4])
