@@ -35,6 +35,7 @@ def _opendiloco_optimizers() -> tuple[InnerOptConfig, OuterConfig]:
     inner = InnerOptConfig(
         lr=4e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, warmup_steps=1000, schedule="cosine",
         grad_clip=1.0, precision="auto",
+        compile=True,  # the GPU presets: 1.37x (150m) and 1.43x (1b) faster steps on an H100 (docs/benchmarks.md)
     )
     outer = OuterConfig(
         lr=0.7, momentum=0.9, nesterov=True, inner_steps=500, compression="scaled-fp16",
