@@ -55,6 +55,8 @@ class RegionPlan:
     cpu: str = "default"  # the kernel path of the host of its SyncActor
     clock_offset: float = 0.0  # its host's clock reads clock_offset + (1 + clock_drift) * simulated time
     clock_drift: float = 0.0
+    stop_at: float | None = None  # its driver is asked to stop (`ray job stop`): it ends after the round, checkpointed
+    resubmit_after: float | None = None  # ... and is submitted again this much later (None: never), continuing
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class Outcome:
     stopped: dict[str, str] = field(default_factory=dict)  # region -> why it stopped with an error (Resync's Stop)
     sat_out: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each non-finite round
     replayed: dict[str, int] = field(default_factory=dict)  # region -> windows trained again after a crash
+    stops: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it stopped at, checkpointed)
 
 
 @dataclass

@@ -58,6 +58,7 @@ class Simulator:
         self.failing = set(schedule.failing_steps)
         self.regions: dict[str, _Region] = {}
         self.alive: dict[str, int] = {}  # region -> live incarnation (0: down)
+        self.stops_served: set[str] = set()  # regions whose stop request was carried out (it comes once)
         self._incarnations = 0
 
     # -- the event loop ---------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ class Simulator:
             overlapped = None
             finite = (name, window) not in s.nonfinite
             if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
-                                  checkpoint_every=s.checkpoint_every, stopping=False, finite=finite):
+                                  checkpoint_every=s.checkpoint_every, stopping=self._stopping(plan), finite=finite):
                 newest = region.outer.global_state()
                 overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
             before_round = (region.outer.step_count, region.digest,
@@ -352,7 +353,10 @@ class Simulator:
                 self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
             self.out.windows[name].append(window)
             region.progress += 1
-            if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=False):
+            # As the SyncActor: a stop asked before a blocking round ended ends the region there (an overlapped
+            # round was handed back at once: the stop comes with the next round, which then blocks).
+            stopping = self._stopping(plan) and overlapped is None
+            if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping):
                 self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
                                           dict(region.outer.momentum_state()), region.progress)
             if not rules.atomic_handshake and any(arrived < t <= self.now for t in plan.restarts):
@@ -363,6 +367,27 @@ class Simulator:
                 if s.leave_after_finish is not None:
                     self._at(self.now + s.leave_after_finish, lambda: self._leave(name))
                 return
+            if stopping:
+                self._stop(region)
+                return
+
+    def _stopping(self, plan: RegionPlan) -> bool:
+        return plan.stop_at is not None and plan.stop_at <= self.now and plan.name not in self.stops_served
+
+    def _stop(self, region: _Region) -> None:
+        """Its driver ends after the checkpoint (the worker's `checkpoints_at(..., stopping=True)`), withdrawing its
+        record (a clean shutdown); submitted again `resubmit_after` later, it continues from that checkpoint."""
+        plan, name = region.plan, region.plan.name
+        self.stops_served.add(name)
+        self.out.stops.append((name, region.outer.step_count))
+        self.alive[name] = 0
+        self._leave(name)
+        for requests in self.pending.values():
+            requests[:] = [r for r in requests if r.region != name]
+        if plan.resubmit_after is None:
+            self.out.gone.add(name)
+        else:
+            self._at(self.now + plan.resubmit_after, lambda: self._start(plan, resume=True))
 
     def _rendezvous(self, region: _Region, arrived: float, delta: dict):
         """As Membership._rendezvous: the same machine, on this region's own clock. Returns the averager's result,

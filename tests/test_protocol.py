@@ -2,7 +2,9 @@
 
 Hypothesis draws schedules of 2-4 regions: window times with persistent skew and spikes, mid-round failures,
 DHT outages (reads and publishes), worker-group restarts at any moment, departures, late joins, crashes that
-come back from the checkpoint, SyncActors on different CPU kernel paths, blocking and overlapped rounds (outer.overlap).
+come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and resubmissions, rounds
+with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths, hosts' clocks apart
+and drifting, slow or failing state downloads, blocking and overlapped rounds (outer.overlap).
 Over each run of today's rules:
 * agreement: every region that finishes holds step T and the same digest;
 * recovery: a consistent round with every live region leaves all of them equal;
@@ -57,6 +59,8 @@ def region_plans(draw, name: str, faults: bool, crashes: bool = True) -> RegionP
         dht_down=tuple((t, t + draw(st.floats(1.0, 40.0))) for t in draw(st.lists(times, max_size=2))),
         cpu=draw(st.sampled_from(["default", "avx2"])),
         clock_offset=draw(CLOCK_OFFSETS), clock_drift=draw(CLOCK_DRIFTS),
+        stop_at=draw(times) if draw(st.integers(0, 4)) == 0 else None,
+        resubmit_after=draw(st.sampled_from([None, 0.0, 30.0, 200.0])),
     )
 
 
@@ -204,6 +208,8 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
     "a region sat a round out and stopped: nobody held a newer state": lambda out: bool(out.stopped),
     "a crashed region resumed from an older checkpoint, trained windows again and finished": lambda out: any(
         name in out.finished for name in out.replayed),
+    "a region was stopped, submitted again, continued from its checkpoint and finished": lambda out: any(
+        name in out.finished for name, _ in out.stops),
 }
 
 
