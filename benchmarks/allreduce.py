@@ -29,6 +29,7 @@ import time
 import torch
 from hivemind.utils import get_dht_time
 
+from ray_diloco.cli import OneLineErrors
 from ray_diloco.sync.averaging import RegionAverager
 from ray_diloco.sync.state_sharing import state_key
 from ray_diloco.sync.wan_emulation import Link, ShapedPorts, ShapingError, check_can_shape, verify_link
@@ -39,7 +40,7 @@ SECRET = b"benchmark-secret-" * 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="allreduce.py", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="allreduce.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=100.0, help="fp32 megabytes of Δ per region (default 100)")
     parser.add_argument("--regions", default="2,4", help="comma-separated region counts (default 2,4)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per configuration (default 3)")
@@ -111,12 +112,17 @@ def run_config(regions: int, args: argparse.Namespace, rate_mbit: float, signed:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    counts = [int(n) for n in args.regions.split(",")]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        counts = [int(n) for n in args.regions.split(",")]
+    except ValueError:
+        parser.error(f"--regions takes comma-separated region counts (2 or more), got {args.regions!r}")
+    if min(counts) < 2:
+        parser.error(f"--regions takes comma-separated region counts (2 or more), got {args.regions!r}")
     if args.wan_mbit and max(counts) > 2:
-        print("allreduce.py: error: --wan-mbit shapes one link per region port, which is one link each way only "
-              "between 2 regions: use --regions 2", file=sys.stderr)
-        return 2
+        parser.error("--wan-mbit shapes one link per region port, which is one link each way only between 2 "
+                     "regions: use --regions 2")
     link = Link(args.wan_mbit) if args.wan_mbit else None
     ports = [BASE_PORT + i for i in range(max(counts))]
     try:

@@ -12,13 +12,13 @@ and returns copies (`rows_for_rank`). Prints the median round trip of each and t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import ray
 import torch
 
+from ray_diloco.cli import OneLineErrors
 from ray_diloco.model import build_model
 from ray_diloco.presets import PRESETS
 from ray_diloco.sharding import from_wire, to_wire
@@ -57,7 +57,7 @@ class Sender:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineErrors(prog="exchange.py", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny-cpu", choices=sorted(PRESETS))
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()

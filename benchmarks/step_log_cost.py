@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 from ray_diloco import metrics
 from ray_diloco.inner_step import InnerStep, compile_layers, shard_model
 from ray_diloco.model import build_model
-from ray_diloco.presets import get_preset
+from ray_diloco.cli import OneLineErrors
+from ray_diloco.presets import PRESETS, get_preset
 from ray_diloco.step_log import StepLog
 
 LOG_EVERY = 10
@@ -104,9 +105,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="overhead.py --step-log", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="overhead.py --step-log", description=__doc__.split("\n\n")[0])
     parser.add_argument("--step-log", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--preset", default="tiny-cpu", help="model and batch shape (default tiny-cpu)")
+    parser.add_argument("--preset", default="tiny-cpu", choices=sorted(PRESETS),
+                        help="model and batch shape (default tiny-cpu)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
                         help="inner.precision (default: the preset's, auto: bf16 on a GPU, fp32 on a CPU)")
     parser.add_argument("--compile", action="store_true", help="inner.compile: torch.compile each decoder layer")
@@ -120,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    low = [f"--{name}" for name in ("steps", "warmup", "repeats", "world")
+           if getattr(args, name) is not None and getattr(args, name) < 1]
+    if low:  # before any rank starts: a rank's error would leave this process waiting on its queue
+        parser.error(f"{', '.join(low)} must be >= 1")
     world = args.world or (torch.cuda.device_count() or 2)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

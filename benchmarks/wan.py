@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from ray_diloco.cli import OneLineErrors
 from ray_diloco.presets import tiny_cpu
 from ray_diloco.sync.wan_emulation import Link, ShapedPorts, ShapingError, check_can_shape, verify_link
 
@@ -51,7 +52,7 @@ def parse_links(text: str) -> list[Link]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wan.py", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="wan.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", default="1000,100,50,20",
                         help="RATE[/DELAY_MS[/LOSS_%%]],... (default 1000,100,50,20)")
     parser.add_argument("--inner-steps", type=int, default=50, metavar="H", help="default 50")

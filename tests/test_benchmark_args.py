@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
     ("poisoned.py", ["--arms", "dirty-mean"], "--arms: ['dirty-mean'] unknown; choose from clean-mean"),
     ("compare.py", ["--arms", "dilcoo"], "--arms: ['dilcoo'] unknown; choose from ddp, "),
     ("overhead.py", ["--regions", "0"], "--regions needs counts >= 1"),
+    ("overhead.py", ["--step-log", "--steps", "0"], "--steps must be >= 1"),  # before any rank starts
+    ("overhead.py", ["--step-log", "--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+    ("allreduce.py", ["--regions", "x"], "--regions takes comma-separated region counts"),  # was a traceback
 ])
 def test_bad_arguments_are_one_line_and_exit_2(script, argv, message):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True,
