@@ -27,7 +27,8 @@ def build_inner_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW: one fused kernel over all parameters on a GPU (the per-parameter loop launched ~10 kernels per
     tensor, each a pass over memory); on a CPU the plain loop, since foreach kernels are not implemented for
-    every DTensor placement on gloo. The state (and a checkpoint of it) is the same either way."""
+    every DTensor placement on gloo. The moments are the same either way; a loaded checkpoint keeps the kernels
+    chosen here (`load_worker_checkpoint`)."""
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,

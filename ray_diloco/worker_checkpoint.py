@@ -59,10 +59,15 @@ def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return join(experiment_uri, name)
 
 
+KERNEL_FLAGS = ("fused", "foreach")  # how the optimizer steps on this machine, not part of its state
+
+
 def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
                            ) -> dict[str, Any]:
     """Load this rank's model and AdamW shards (collective), re-sharded when the checkpoint was written by
-    another worker count; returns its meta (outer step, inner step, world size)."""
+    another worker count; returns its meta (outer step, inner step, world size). The optimizer keeps its own kernel
+    choice (`fused`, `foreach`: this machine's, see `build_inner_optimizer`), not the writer's: the state dict
+    carries them in its param groups, and a checkpoint written on a CPU would make a GPU group step unfused."""
     checkpoint = ray.train.Checkpoint(location)
     with checkpoint.as_directory() as directory:
         meta_file = Path(directory, META_FILE)
@@ -72,5 +77,8 @@ def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: tor
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=directory)
+        kernels = [{key: group.get(key) for key in KERNEL_FLAGS} for group in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group, chosen in zip(optimizer.param_groups, kernels):
+            group.update(chosen)
     return meta

@@ -378,6 +378,9 @@ class Simulator:
         """Its driver ends after the checkpoint (the worker's `checkpoints_at(..., stopping=True)`), withdrawing its
         record (a clean shutdown); submitted again `resubmit_after` later, it continues from that checkpoint."""
         plan, name = region.plan, region.plan.name
+        if self.checkpoints.get(name, (None,))[0] != region.outer.step_count:
+            self.out.violations.append(f"stop: {name} stopped at step {region.outer.step_count} without a checkpoint "
+                                       "of it (resubmitted, it would train windows again)")
         self.stops_served.add(name)
         self.out.stops.append((name, region.outer.step_count))
         self.alive[name] = 0

@@ -117,7 +117,7 @@ def test_three_regions_agree_bit_for_bit_and_a_restart_repeats_the_uninterrupted
         assert all(rounds[r][step]["group_size"] == 3 and rounds[r][step]["consistent"] for r in REGIONS)
     assert [d["r0"] for d in digests] == recomputed(cfg, initial, recorded)
     dense_fp16 = 2 * sum(t.numel() for t in initial.values())
-    assert payload_bytes * 8 < dense_fp16  # at least 8× fewer bytes than fp16 DiLoCo (the defaults give 21×)
+    assert payload_bytes * 8 < dense_fp16  # at least 8× fewer bytes than fp16 DiLoCo (the defaults give 36×)
     for region in REGIONS:
         assert all(r["payload_bytes"] == payload_bytes for r in rounds[region])
         assert all(r["bytes_sent"] >= 2 * payload_bytes for r in rounds[region])  # both others fetched it

@@ -265,8 +265,12 @@ def test_indices_pack_in_the_bits_their_chunk_needs_by_hand():
     packed = b"xy" + pack_uints(values, 12)
     assert len(packed) == 2 + packed_size(1001, 12) == 2 + 1502
     assert np.array_equal(unpack_uints(packed, 2, 1001, 12), values)
-    with pytest.raises(ValueError, match="does not fit in 12 bits"):
+    with pytest.raises(ValueError, match="do not fit in 12 bits"):
         pack_uints(np.array([4096]), 12)
+    with pytest.raises(ValueError, match="do not fit in 32 bits"):
+        pack_uints(np.array([-1, 2**32]), 32)  # no wrap-around through the unsigned cast
+    with pytest.raises(ValueError, match="bits must lie"):
+        unpack_uints(packed, 2, 1, 0)
     with pytest.raises(ValueError, match="bytes left"):
         unpack_uints(packed[:-1], 2, 1001, 12)
 

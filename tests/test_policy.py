@@ -195,6 +195,9 @@ def test_a_round_overlaps_unless_it_ends_the_run_is_checkpointed_or_diverged(rea
                                                                              overlaps):
     assert may_overlap(overlap=True, reached=reached, target=5, checkpoint_every=every, stopping=stopping,
                        finite=finite) is overlaps
+
+
+def test_no_round_overlaps_without_outer_overlap():
     assert not may_overlap(overlap=False, reached=2, target=5, checkpoint_every=0, stopping=False, finite=True)
 
 

@@ -59,17 +59,25 @@ def region_plans(draw, name: str, faults: bool, crashes: bool = True) -> RegionP
         dht_down=tuple((t, t + draw(st.floats(1.0, 40.0))) for t in draw(st.lists(times, max_size=2))),
         cpu=draw(st.sampled_from(["default", "avx2"])),
         clock_offset=draw(CLOCK_OFFSETS), clock_drift=draw(CLOCK_DRIFTS),
-        stop_at=draw(times) if draw(st.integers(0, 4)) == 0 else None,
-        resubmit_after=draw(st.sampled_from([None, 0.0, 30.0, 200.0])),
+        **draw(stop_and_resubmit(times)),
     )
+
+
+@st.composite
+def stop_and_resubmit(draw, times) -> dict:
+    """`ray job stop` at some time (one region in five), then submitted again at once, later, or never."""
+    if draw(st.integers(0, 4)):
+        return {}
+    return {"stop_at": draw(times), "resubmit_after": draw(st.sampled_from([None, 0.0, 30.0, 200.0]))}
 
 
 @st.composite
 def schedules(draw, faults: bool = True, crashes: bool = True) -> Schedule:
     n = draw(st.integers(2, 4))
     plans = [draw(region_plans(NAMES[i], faults, crashes)) for i in range(n)]
-    if all(p.depart_at is not None for p in plans):  # somebody must be left to finish
-        plans[0] = dataclasses.replace(plans[0], depart_at=None)
+    gone_for_good = lambda p: p.depart_at is not None or (p.stop_at is not None and p.resubmit_after is None)  # noqa: E731
+    if all(gone_for_good(p) for p in plans):  # somebody must be left to finish
+        plans[0] = dataclasses.replace(plans[0], depart_at=None, resubmit_after=0.0 if plans[0].stop_at else None)
     target = draw(st.integers(2, 6))
     failing = frozenset(draw(st.lists(st.integers(0, target - 1), max_size=2))) if faults else frozenset()
     # A finished region's driver exits (one cluster per region): at once, soon, later, or not before the end.
@@ -77,7 +85,7 @@ def schedules(draw, faults: bool = True, crashes: bool = True) -> Schedule:
     # A state download: instant, a few seconds, or slower than the others' rounds (a region that chases).
     download = draw(st.sampled_from([0.0, 0.0, 2.0, 20.0, 90.0])) if faults else 0.0
     # run.checkpoint_every: a crash resumes from an older checkpoint and trains the windows since then again.
-    every = draw(st.sampled_from([0, 1, 1, 2, 3])) if faults else 1
+    every = draw(st.sampled_from([0, 1, 2, 3])) if faults else 1
     # A diverged window (NaN/inf Δ): the region sits that round out and takes a newer state, or stops; or every
     # region diverges at the same window (an inner lr too high for all): nobody has a newer state.
     windows = st.tuples(st.sampled_from([p.name for p in plans]), st.integers(0, target - 1))

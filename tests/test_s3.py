@@ -241,7 +241,8 @@ def check_run_in_bucket(s3, bucket: str, name: str, regions: tuple[str, ...]) ->
         assert state_digest(saved.theta) == summary["exported_digest"]
         # What a restarted or resumed worker reads: Ray Train's upload, read back through Ray Train's Checkpoint.
         model = build_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len, cfg.run.seed + 1)
-        meta = load_worker_checkpoint(saved.worker_checkpoint, model, torch.optim.AdamW(model.parameters()))
-        assert meta["outer_step"] == T
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=True)  # the writer's was foreach=False (CPU)
+        meta = load_worker_checkpoint(saved.worker_checkpoint, model, optimizer)
+        assert meta["outer_step"] == T and optimizer.param_groups[0]["foreach"] is True  # this machine's kernels
         assert state_digest(parameter_state(model)) == summary["exported_digest"]
     return summary["exported_digest"]

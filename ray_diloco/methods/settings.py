@@ -5,6 +5,10 @@ machine)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # config.py imports this module
+    from ray_diloco.config import OuterConfig
 
 METHODS = ("diloco", "sparseloco", "dct")
 CODEC_NAMES = ("none", "bf16", "fp16", "scaled-fp16")  # ray_diloco.sync.codecs.CODECS, which checks it
@@ -40,7 +44,7 @@ class MethodSettings:
                    outer.clip_factor if outer.aggregation == "clipped" else None)
 
 
-def describe_outer(outer) -> str:
+def describe_outer(outer: OuterConfig) -> str:
     """The outer step of a diloco-mode run in a few words, for the driver's start line: what a round sends and how
     it is applied, so a run with the wrong method or wire shows it before its first round."""
     if outer.method in DEFAULTS:
@@ -48,7 +52,7 @@ def describe_outer(outer) -> str:
         what = f"values at {method.bits} bits" if method.name == "sparseloco" else "DCT coefficients"
         sent = f"top-{method.topk} of {method.chunk_size} {what} per chunk"
     else:
-        sent = f"Δ on a {outer.compression} wire"
+        sent = f"Δ on a {'fp32' if outer.compression == 'none' else outer.compression} wire"
     step = f"Nesterov lr {outer.lr} momentum {outer.momentum}" if outer.nesterov else f"SGD lr {outer.lr}"
     if outer.momentum and not outer.nesterov:
         step += f" momentum {outer.momentum}"

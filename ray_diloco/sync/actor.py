@@ -48,13 +48,13 @@ from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.network import region_network
 from ray_diloco.sharding import assemble, from_wire, rows_for_rank, to_wire
+from ray_diloco.sync import policy
 from ray_diloco.sync.averaging import RegionAverager
 from ray_diloco.sync.bounded import LISTING_SECONDS, BoundedCalls
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.compressed import CompressedRounds
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
-from ray_diloco.sync import policy
 from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
 from ray_diloco.sync.rounds import PendingRound, Rounds, poison_factor_for_test
 

@@ -304,7 +304,9 @@ class Membership:
 
         def attempt() -> bool | Again:
             self._check_current(generation)
-            action = machine.next(self._published, self._read_records(), time.monotonic())
+            # After a failed load the machine decides without records (it sleeps a poll or ends): none are read.
+            records = None if machine.load_failed else self._read_records()
+            action = machine.next(self._published, records, time.monotonic())
             if isinstance(action, policy.Adopt):
                 loaded = self._adopt(action.record, "settled_at_end", generation)
                 if loaded:
@@ -323,18 +325,19 @@ class Membership:
 
         poll(attempt)
 
-    def _resync_from_newer(self, own_step: int) -> bool:
-        """Wait (up to max_wait plus one download) for another region's record past `own_step`; adopt the
-        canonical one. False if none appeared or none could be loaded in time."""
+    def _resync_from_newer(self, own_step: int) -> str | None:
+        """Run `policy.Resync` (wait up to max_wait plus one download for another region's record past `own_step`;
+        adopt the canonical one). None once adopted, else why not (`Stop.why`)."""
         machine = policy.Resync(own_step=own_step, region=self.region, poll=POLL_SECONDS,
                                 give_up=time.monotonic() + self.config.outer.max_wait_seconds + self._download_seconds())
 
-        def attempt() -> bool | Again:
-            action = machine.next(self._read_records(), time.monotonic())
+        def attempt() -> str | None | Again:
+            # After a failed load the machine decides without records (it sleeps a poll or stops): none are read.
+            action = machine.next(None if machine.load_failed else self._read_records(), time.monotonic())
             if isinstance(action, policy.Adopt):
                 loaded = self._adopt(action.record, "resync")
                 machine.loaded(loaded)
-                return True if loaded else Again(0.0)
-            return Again(action.seconds) if isinstance(action, policy.Sleep) else False
+                return None if loaded else Again(0.0)
+            return Again(action.seconds) if isinstance(action, policy.Sleep) else action.why
 
         return poll(attempt)

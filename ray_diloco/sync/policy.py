@@ -331,6 +331,7 @@ class Resync:
         self.load_failed = not ok
 
     def next(self, records: list[StateRecord] | None, now: float) -> Adopt | Sleep | Stop:
+        """After a failed load, `records` are not read (the caller may pass None): a poll passes first."""
         newer = None if self.load_failed else newer_state(self.own_step, self.region, records or [])
         self.load_failed = False
         if newer is not None:

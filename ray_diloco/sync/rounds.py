@@ -189,10 +189,12 @@ class Rounds:
             return self.outer.global_state()
         if self.sharer is not None:  # the others do not wait for us this round
             await asyncio.get_running_loop().run_in_executor(None, self._set_phase_safely, OUT)
-        if self.sharer is None or not await asyncio.get_running_loop().run_in_executor(
-                None, self._resync_from_newer, own_step):
-            raise RuntimeError(f"region {self.region}: pseudo-gradient has {bad} non-finite values and no other "
-                               f"region holds a newer state to re-sync from; lower inner.lr or check the data")
+        why = "no other region holds a newer state to re-sync from (a run of one region)"
+        if self.sharer is not None:
+            why = await asyncio.get_running_loop().run_in_executor(None, self._resync_from_newer, own_step)
+        if why is not None:
+            raise RuntimeError(f"region {self.region}: pseudo-gradient has {bad} non-finite values and {why}; "
+                               "lower inner.lr or check the data")
         await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish_safely(0))
         if self.outer.step_count >= self.config.run.outer_steps:  # re-synced to the run's end: settle, as a round
             await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end)
