@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compression", default="fp16", choices=["none", "fp16", "bf16"])
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    parser.add_argument("--step-log", action="store_true",
+                        help="instead: the per-step cost of reading the loss on the worker's own inner step, no Ray "
+                             "(benchmarks/step_log_cost.py; its flags: overhead.py --step-log --help)")
     return parser
 
 
@@ -152,9 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         return step_log_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    counts = [int(x) for x in args.regions.split(",") if x.strip()]
-    if not counts or min(counts) < 1 or args.inner_steps < 1 or args.outer_steps < 1:
-        parser.error("--regions needs counts >= 1; --inner-steps and --outer-steps >= 1")
+    try:
+        counts = [int(x) for x in args.regions.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        parser.error(f"--regions takes comma-separated region counts >= 1, got {args.regions!r}")
+    low = [f"--{name.replace('_', '-')}" for name in ("inner_steps", "outer_steps") if getattr(args, name) < 1]
+    if low:
+        parser.error(f"{' and '.join(low)} must be >= 1")
     import ray
 
     from ray_diloco.driver import run_training

@@ -76,8 +76,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     cfg = get_preset(args.preset)
     if args.precision:
         cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, precision=args.precision))
-    if args.compile:
-        cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, compile=True))
+    if args.compile is not None:
+        cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, compile=args.compile))
     vocab = 50304  # the GPT-2 tokenizer's 50257 rounded up, as resolve_vocab does
     model = build_model(cfg.model, vocab, cfg.data.seq_len, cfg.run.seed)
     if cfg.inner.compile:
@@ -104,6 +104,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     dist.destroy_process_group()
 
 
+def mfu_text(row: dict) -> str:
+    """MFU against the GPU's bf16 peak; a CPU has no meaningful peak here (a nominal 1e11 FLOP/s)."""
+    return f"MFU {row['mfu']:.3f}" if row["device"] != "cpu" else "MFU n/a on a CPU"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="overhead.py --step-log", description=__doc__.split("\n\n")[0])
     parser.add_argument("--step-log", action="store_true", help=argparse.SUPPRESS)
@@ -111,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model and batch shape (default tiny-cpu)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"],
                         help="inner.precision (default: the preset's, auto: bf16 on a GPU, fp32 on a CPU)")
-    parser.add_argument("--compile", action="store_true", help="inner.compile: torch.compile each decoder layer")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="inner.compile: torch.compile each decoder layer, or not (default: the preset's: on for "
+                             "150m and 1b, off for tiny-cpu)")
     parser.add_argument("--world", type=int, default=None,
                         help="ranks (default: the GPU count, or 2 on a machine without one)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default 30)")
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[step-log] rank {row['rank']} of {row['world']} on {row['device']} ({row['preset']}, "
               f"{row['precision']}{', compiled' if row['compile'] else ''}): per-step read "
               f"{before:.2f} ms/step, StepLog {after:.2f} ms/step, ratio {before / after:.3f}; "
-              f"{row['tokens_per_second_per_worker']:,.0f} tokens/s/worker, MFU {row['mfu']:.3f}; warm-up "
+              f"{row['tokens_per_second_per_worker']:,.0f} tokens/s/worker, {mfu_text(row)}; warm-up "
               f"{row['warmup_seconds']:.1f} s", flush=True)
     if args.output:
         with open(args.output, "w") as out:

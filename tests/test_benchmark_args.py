@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ("poisoned.py", ["--steps", "10", "--h", "7"], "--h 7 must divide --steps 10"),
     ("poisoned.py", ["--arms", "dirty-mean"], "--arms: ['dirty-mean'] unknown; choose from clean-mean"),
     ("compare.py", ["--arms", "dilcoo"], "--arms: ['dilcoo'] unknown; choose from ddp, "),
-    ("overhead.py", ["--regions", "0"], "--regions needs counts >= 1"),
+    ("overhead.py", ["--regions", "0"], "--regions takes comma-separated region counts >= 1, got '0' (see"),
+    ("overhead.py", ["--outer-steps", "0"], "--outer-steps must be >= 1 (see"),  # names only the flag given
     ("overhead.py", ["--step-log", "--steps", "0"], "--steps must be >= 1"),  # before any rank starts
     ("overhead.py", ["--step-log", "--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
     ("allreduce.py", ["--regions", "x"], "--regions takes comma-separated region counts"),  # was a traceback

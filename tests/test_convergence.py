@@ -40,7 +40,7 @@ def test_one_sparseloco_arm_of_two_regions_and_a_resumed_grid(tmp_path):
     assert (tmp_path / "convergence_loss.png").stat().st_size > 0 and (tmp_path / "convergence_pareto.png").exists()
 
     log = tmp_path / "arms" / "sparseloco-1pct-h2.log"
-    assert "; outer sparseloco: H=2, top-41 of 4096 values at 2 bits per chunk, token-weighted mean, SGD lr 1.0" \
+    assert "; outer sparseloco: H=2, top-41 of 4096 values per chunk, 2-bit, token-weighted mean, SGD lr 1.0" \
         in log.read_text()  # the driver's start line says what a round sends
     size = log.stat().st_size
     assert convergence.main(argv) == 0  # read back, not trained again

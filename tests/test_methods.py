@@ -250,7 +250,7 @@ def test_the_start_line_describes_each_outer_method():
         "outer diloco: H=50, Δ on a scaled-fp16 wire, token-weighted mean, Nesterov lr 0.7 momentum 0.9"
     dct = OuterConfig(method="dct", momentum=0, nesterov=False, lr=1.0, topk=4, aggregation="clipped")
     assert describe_outer(dct) == \
-        "outer dct: H=20, top-4 of 64 DCT coefficients per chunk, clipped at 2.0× the median norm, SGD lr 1.0"
+        "outer dct: H=20, top-4 of 64 DCT coefficients per chunk, fp16, clipped at 2.0× the median norm, SGD lr 1.0"
 
 
 def test_indices_pack_in_the_bits_their_chunk_needs_by_hand():
