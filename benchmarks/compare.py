@@ -36,7 +36,6 @@ from typing import Any
 
 from ray_diloco.cli import OneLineErrors
 from ray_diloco.config import ExperimentConfig, RegionConfig
-from ray_diloco.driver import run_training
 from ray_diloco.presets import tiny_cpu
 
 DEFAULT_OUTPUT_DIR = "runs/compare"
@@ -334,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args, parser)
+    from ray_diloco.driver import run_training  # Ray and torch: only once the arguments are good (seconds)
+
     out = Path(args.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

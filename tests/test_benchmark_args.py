@@ -3,6 +3,7 @@ type, and as the CLI does), before it starts anything: they once exited 1 with a
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
     ("allreduce.py", ["--regions", "x"], "--regions takes comma-separated region counts"),  # was a traceback
 ])
 def test_bad_arguments_are_one_line_and_exit_2(script, argv, message):
+    started = time.monotonic()
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
+    # Before the expensive imports too (Ray and torch took compare.py and convergence.py ~6 s to refuse).
+    assert time.monotonic() - started < 10, f"{script} took {time.monotonic() - started:.1f} s to refuse"
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"{script}: error: {message}"), done.stderr
     assert done.stderr.count("\n") == 1 and not done.stdout, done.stderr
