@@ -180,3 +180,31 @@ class Driver:
 
     def output(self):
         return "".join(self.lines)
+
+
+def run_gloo_ranks(target, world: int, rows: int, timeout: float = 300) -> list:
+    """`target(rank, port, results)` in `world` spawned processes that form a gloo group on a free port; returns
+    the `rows` items they put on `results`. A rank that dies fails the test at once, not after the timeout."""
+    import multiprocessing
+    import queue
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=target, args=(rank, port, results)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < rows:
+        crashed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+        assert not crashed and time.monotonic() < deadline, f"a rank ended with {crashed}; got {len(got)} rows"
+        try:
+            got.append(results.get(timeout=1))
+        except queue.Empty:
+            pass
+    for process in processes:
+        process.join(timeout=60)
+    return got

@@ -6,16 +6,14 @@ are reduced in fp32. fp16 adds a GradScaler: an overflow in one rank's gradient 
 """
 
 import dataclasses
-import queue
 import shutil
-import socket
-import time
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import run_gloo_ranks
 
 from ray_diloco.inner_step import InnerStep, compile_layers, compute_dtype, shard_model
 from ray_diloco.model import build_model
@@ -97,24 +95,7 @@ def _steps(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=_steps, args=(rank, port, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    rows, deadline = [], time.monotonic() + 300
-    while len(rows) < 2 * len(LABELS):  # a rank that died says so at once, rather than after the whole timeout
-        crashed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-        assert not crashed and time.monotonic() < deadline, f"a rank ended with {crashed}; got {len(rows)} rows"
-        try:
-            rows.append(results.get(timeout=1))
-        except queue.Empty:
-            pass
-    for process in processes:
-        process.join(timeout=60)
+    rows = run_gloo_ranks(_steps, world=2, rows=2 * len(LABELS))
     return {(rank, label): outcome for rank, label, outcome in rows}
 
 

@@ -9,7 +9,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import run_gloo_ranks
 
 from ray_diloco.step_log import StepLog
 
@@ -65,19 +66,8 @@ def _two_ranks(rank: int, port: int, results) -> None:
 
 
 def test_two_gloo_ranks_get_each_steps_group_mean_with_one_collective_per_flush():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=_two_ranks, args=(rank, port, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    outcome = dict((rank, (flushed, calls)) for rank, flushed, calls in (results.get(timeout=120) for _ in range(2)))
-    for process in processes:
-        process.join(timeout=60)
+    outcome = {rank: (flushed, calls) for rank, flushed, calls in run_gloo_ranks(_two_ranks, world=2, rows=2,
+                                                                                 timeout=120)}
     for rank in range(2):
         flushed, calls = outcome[rank]
         assert flushed == [(step, 5.5 * step) for step in range(1, 11)]  # (step + 10·step) / 2
