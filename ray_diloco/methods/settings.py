@@ -49,8 +49,9 @@ def describe_outer(outer: OuterConfig) -> str:
     it is applied, so a run with the wrong method or wire shows it before its first round."""
     if outer.method in DEFAULTS:
         method = MethodSettings.of(outer)
-        what = f"values per chunk, {method.bits}-bit" if method.name == "sparseloco" else "DCT coefficients per chunk, fp16"
-        sent = f"top-{method.topk} of {method.chunk_size} {what}"
+        values = (f"values per chunk, {method.bits}-bit" if method.name == "sparseloco"
+                  else "DCT coefficients per chunk, fp16")
+        sent = f"top-{method.topk} of {method.chunk_size} {values}"
     else:
         sent = f"Δ on a {'fp32' if outer.compression == 'none' else outer.compression} wire"
     step = f"Nesterov lr {outer.lr} momentum {outer.momentum}" if outer.nesterov else f"SGD lr {outer.lr}"
