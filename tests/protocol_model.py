@@ -85,6 +85,12 @@ class _Region:
     progress: int = 0  # the next data window
     published: StateRecord | None = None
     incarnation: int = 0
+    # Carried from one window to the next (protocol_sim._region): the old handshake's stale base (a group restarted
+    # during a round took the state of before it); with overlap, (the θ the workers train from, when they
+    # started) after an overlapped round; the end of the region's last round (or its group's restart).
+    stale_base: tuple | None = None
+    overlapped: tuple | None = None
+    round_ended: float = 0.0
 
 
 @dataclass

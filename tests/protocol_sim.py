@@ -2,12 +2,10 @@
 
 Real: every decision (`ray_diloco.sync.policy`), the outer Nesterov step (`OuterOptimizer`), the pseudo-gradient,
 the codec's rounding on the wire (`weighted_average`, `get_codec`) and `state_digest`, on tiny tensors.
-Modelled: time (an event queue; nothing sleeps), the DHT (records that expire `ttl` after their region died, reads
-that fail while a region's DHT is down, publishes that fail and land with the sharer's next refresh), Hivemind's
-averager (a group fills at the size the regions expect or at the end of the matchmaking window; a round may fail
-mid-way, leaving each member a mix of averaged and own parts), a region's workers (H inner steps on data window
-`w` move θ by a fixed function of (region, w); the group restarts at any moment and re-takes its state through
-the handshake), departures, late joins, and a crash of a whole region that comes back from its checkpoint.
+Modelled in protocol_world.py (`World`, which `Simulator` extends): time (an event queue; nothing sleeps), the
+DHT, the run's storage, state downloads and Hivemind's averager. Modelled here: a region's workers (H inner steps
+on data window `w` move θ by a fixed function of (region, w); the group restarts at any moment and re-takes its
+state through the handshake), departures, late joins, and a crash of a whole region that comes back from its checkpoint.
 Hosts' clocks: each region decides on its own clock (`RegionPlan.clock_offset`, `clock_drift`). One cluster per
 region: a finished region's driver exits (`Schedule.leave_after_finish`), its record and server go, its final
 state stays in the run's storage (`policy.with_stored`).
@@ -29,227 +27,17 @@ swap in the old rules one at a time and show that the properties in `violations`
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
-import zlib
-from typing import Callable
-
-from protocol_model import (COMPRESSION, POLL, REPUBLISH, TRANSFER, Outcome, RegionPlan, Rules, Schedule, _Region,
-                            _Request, full_key, initial_theta, violations, window_update)
+from protocol_model import (POLL, REPUBLISH, TRANSFER, Outcome, RegionPlan, Rules, Schedule, _Region, _Request,
+                            full_key, initial_theta, violations, window_update)
+from protocol_world import World
 
 from ray_diloco.sync import policy
-from ray_diloco.sync.codecs import get_codec
-from ray_diloco.sync.outer import OuterOptimizer, state_digest, weighted_average
-from ray_diloco.sync.policy import FINISHED, OUT, READY, TRAINING, UNSETTLED, StateRecord
+from ray_diloco.sync.outer import OuterOptimizer, state_digest
+from ray_diloco.sync.policy import FINISHED, OUT, READY, UNSETTLED, StateRecord
 
 
-class Simulator:
-    def __init__(self, schedule: Schedule, rules: Rules = Rules()):
-        self.s, self.rules = schedule, rules
-        self.now = 0.0
-        self._queue: list = []
-        self._seq = 0
-        self.out = Outcome()
-        self.dht: dict[str, list] = {}  # region -> [record, expires_at]
-        self.served: dict[str, tuple] = {}  # region -> (step, digest, θ, momentum) as last published
-        self.checkpoints: dict[str, tuple] = {}  # region -> (step, θ, momentum, progress)
-        self.stored: dict[str, tuple] = {}  # region -> (final record, θ, momentum): the run's storage
-        self.pending: dict[int, list[_Request]] = {}
-        self.failing = set(schedule.failing_steps)
-        self.regions: dict[str, _Region] = {}
-        self.alive: dict[str, int] = {}  # region -> live incarnation (0: down)
-        self.stops_served: set[str] = set()  # regions whose stop request was carried out (it comes once)
-        self._incarnations = 0
-
-    # -- the event loop ---------------------------------------------------------------------------------
-    def _at(self, time: float, action: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._queue, (time, self._seq, action))
-
-    def run(self, horizon: float = 1e6) -> Outcome:
-        for plan in self.s.regions:
-            self._at(plan.start_at, lambda p=plan: self._start(p, resume=False))
-            for at, kind in ((plan.depart_at, "depart"), (plan.crash_at, "crash")):
-                if at is not None:
-                    self._at(at, lambda p=plan, k=kind: self._end(p.name, k))
-        while self._queue:
-            time, _, action = heapq.heappop(self._queue)
-            if time > horizon:
-                break
-            self.now = time
-            action()
-        for name, incarnation in self.alive.items():
-            if incarnation and name not in self.out.finished and name not in self.out.dead:
-                self.out.violations.append(f"liveness: {name} neither finished nor failed (stalled)")
-        for name, why in self.out.dead.items():
-            if name not in self.out.gone:
-                self.out.violations.append(f"liveness: {name} ended without finishing: {why}")
-        return self.out
-
-    def _resume(self, gen, name: str, incarnation: int, value=None) -> None:
-        if self.alive.get(name) != incarnation:
-            return  # that incarnation of the region is gone
-        try:
-            command = gen.send(value)
-        except StopIteration:
-            return
-        if isinstance(command, _Request):
-            command.process = gen
-            self._submit(command)
-        else:
-            self._at(self.now + max(float(command), 1e-6), lambda: self._resume(gen, name, incarnation))
-
-    def _start(self, plan: RegionPlan, resume: bool) -> None:
-        if plan.name in self.out.gone or (resume and plan.depart_at is not None and plan.depart_at <= self.now):
-            return
-        self._incarnations += 1  # unique: a dead incarnation's pending wake-ups must never match a new one
-        incarnation = self._incarnations
-        self.alive[plan.name] = incarnation
-        gen = self._region(plan, incarnation, resume)
-        self._resume(gen, plan.name, incarnation)
-
-    def _end(self, name: str, kind: str) -> None:
-        if kind == "depart":
-            self.out.gone.add(name)  # also while down after a crash: it does not come back
-        if name in self.out.finished or not self.alive.get(name):
-            return
-        self.alive[name] = 0
-        self.served.pop(name, None)
-        if name in self.dht:
-            self.dht[name][1] = self.now + self.s.ttl  # no more refreshes: the record expires
-        for requests in self.pending.values():
-            requests[:] = [r for r in requests if r.region != name]
-        if kind != "depart":
-            self._at(self.now + self.s.downtime, lambda: self._start(self.regions[name].plan, resume=True))
-
-    # -- the DHT --------------------------------------------------------------------------------------
-    def _dht_down(self, name: str) -> bool:
-        return any(a <= self.now < b for a, b in self.regions[name].plan.dht_down)
-
-    def clock(self, name: str, at: float | None = None) -> float:
-        """What region `name`'s host clock reads at simulated time `at` (default: now)."""
-        plan = self.regions[name].plan
-        return plan.clock_offset + (1.0 + plan.clock_drift) * (self.now if at is None else at)
-
-    def read(self, name: str) -> list[StateRecord] | None:
-        if self._dht_down(name):  # storage still answers (as Membership._read_records)
-            return policy.with_stored(None, [record for record, _, _ in self.stored.values()])
-        records = [rec for rec, expires in self.dht.values() if expires > self.now]
-        records = policy.with_stored(records, [record for record, _, _ in self.stored.values()])
-        if self.rules.wall_clock_ready:  # the reader compared the writer's clock with its own
-            records = [dataclasses.replace(r, waited=r.waited + self.clock(name) - self.clock(r.region))
-                       if r.phase == READY else r for r in records]
-        return records
-
-    def _store(self, name: str, incarnation: int) -> None:
-        """The sharer stores its newest record; if the DHT is down it tries again at the next refresh."""
-        if self.alive.get(name) != incarnation:
-            return
-        if self._dht_down(name):
-            self._at(self.now + self.s.ttl / 3, lambda: self._store(name, incarnation))
-            return
-        self.dht[name] = [self.regions[name].published, float("inf")]
-
-    def publish(self, region: _Region, group: int, phase: str = TRAINING) -> None:
-        region.published = StateRecord(region.plan.name, region.outer.step_count, region.digest, group, phase)
-        theta = {k: v.clone() for k, v in region.outer.global_state().items()}
-        momentum = {k: v.clone() for k, v in region.outer.momentum_state().items()}
-        self.served[region.plan.name] = (region.outer.step_count, region.digest, theta, momentum)
-        self._store(region.plan.name, region.incarnation)
-
-    def _set_phase(self, region: _Region, phase: str, waited: float = 0.0) -> None:
-        region.published = dataclasses.replace(region.published, phase=phase, waited=waited)
-        self._store(region.plan.name, region.incarnation)
-
-    def _keep_final_state(self, region: _Region) -> None:
-        """As Membership._keep_final_state: the final record and state, in the run's storage."""
-        if self.rules.stored_finals:
-            self.stored[region.plan.name] = (region.published, dict(region.outer.global_state()),
-                                             dict(region.outer.momentum_state()))
-
-    def _leave(self, name: str) -> None:
-        """A finished region's driver exits: its record is withdrawn (a tombstone) and nobody serves its state."""
-        self.dht.pop(name, None)
-        self.served.pop(name, None)
-
-    def download_bound(self) -> float:
-        """As Membership._download_seconds: one download, at least averaging_timeout."""
-        return max(self.s.averaging_timeout, self.s.download)
-
-    def _load(self, region: _Region, want: StateRecord):
-        """As Membership._adopt: the state of the first holder of `want` (a live server, else the run's storage) is
-        taken when the download ends, Schedule.download seconds later, as it was when the download began (the
-        sharer serves a frozen snapshot); a live holder that died meanwhile fails it."""
-        holders = [(n, v) for n, v in sorted(self.served.items()) if n != region.plan.name and v[:2] == (
-            want.outer_step, want.digest)]
-        holders += [(None, (r.outer_step, r.digest, theta, momentum))
-                    for n, (r, theta, momentum) in sorted(self.stored.items())
-                    if n != region.plan.name and (r.outer_step, r.digest) == (want.outer_step, want.digest)]
-        if not holders:
-            return False
-        holder, state = holders[0]
-        incarnation = self.alive.get(holder) if holder is not None else None
-        if self.s.download > 0:
-            yield self.s.download
-        if holder is not None and self.alive.get(holder) != incarnation:
-            return False
-        self._take(region, *state)
-        return True
-
-    def _take(self, region: _Region, step: int, digest: str, theta: dict, momentum: dict) -> None:
-        if step < region.outer.step_count:
-            self.out.violations.append(f"monotonic: {region.plan.name} adopted step {step} at step "
-                                       f"{region.outer.step_count}")
-        outer = OuterOptimizer(theta, lr=region.outer.lr, momentum=region.outer.momentum, nesterov=True)
-        outer.load_momentum(momentum)
-        outer.step_count = step
-        region.outer, region.digest = outer, digest
-
-    # -- the averager ---------------------------------------------------------------------------------
-    def _submit(self, request: _Request) -> None:
-        if request.expected == 1:  # RegionAverager.average: alone at once, no matchmaking
-            self.pending.setdefault(request.step, [])
-            self.pending[request.step], others = [request], self.pending[request.step]
-            self._form(request.step)
-            self.pending[request.step] = others
-            return
-        requests = self.pending.setdefault(request.step, [])
-        requests.append(request)
-        if len(requests) >= max(r.expected for r in requests):
-            self._form(request.step)
-        else:
-            self._at(self.now + self.s.matchmaking, lambda: self._form(request.step, waiting=request))
-
-    def _form(self, step: int, waiting: _Request | None = None) -> None:
-        requests = self.pending.get(step, [])
-        if waiting is not None and waiting not in requests:
-            return  # that request was in a group formed earlier
-        self.pending[step] = []
-        if not requests:
-            return
-        members = sorted(requests, key=lambda r: r.region)
-        codec = get_codec(COMPRESSION)
-        if len(members) == 1:
-            results = {members[0].region: ({k: codec.roundtrip(v) for k, v in members[0].delta.items()}, True)}
-        else:
-            average = weighted_average([m.delta for m in members], [m.weight for m in members], COMPRESSION)
-            average = {k: codec.roundtrip(v) for k, v in average.items()}  # reducers send the encoded average
-            fails = step in self.failing
-            self.failing.discard(step)
-            results = {}
-            for m in members:  # a round that fails mid-way: some parts stay each member's own
-                parts = {k: (codec.roundtrip(m.delta[k]) if fails and zlib.crc32(f"{m.region}{k}".encode()) % 2
-                             else average[k]) for k in average}
-                results[m.region] = (parts, not fails)
-        live = sorted(n for n, inc in self.alive.items() if inc and n not in self.out.finished)
-        log = {"step": step, "time": self.now, "members": [m.region for m in members], "live": live,
-               "consistent": all(c for _, c in results.values()), "before": {m.region: m.state_key for m in members},
-               "after": {}}
-        self.out.rounds.append(log)
-        for m in members:
-            averaged, consistent = results[m.region]
-            self._at(self.now + TRANSFER, lambda m=m, a=averaged, c=consistent, g=len(members):
-                     self._resume(m.process, m.region, m.incarnation, (a, c, g, log)))
+class Simulator(World):
+    """The regions: each one's SyncActor and workers, as a process in the world's simulated time."""
 
     # -- one region: its SyncActor and its workers -------------------------------------------------------
     def _new_region(self, plan: RegionPlan, incarnation: int, resume: bool) -> _Region:
@@ -285,91 +73,108 @@ class Simulator:
         return True
 
     def _region(self, plan: RegionPlan, incarnation: int, resume: bool):
-        name, rules, s = plan.name, self.rules, self.s
         region = self._new_region(plan, incarnation, resume)
         yield 0.0
         if not (yield from self._join(region)):
             return
-        stale_base = None  # the old handshake: a group restarted during a round took the state of before it
-        overlapped = None  # overlap: (the θ the workers train from, when they started) after an overlapped round
-        round_ended = self.now  # the end of the region's last round (its start, or its group's restart)
+        region.round_ended = self.now
         while True:
-            base_step, base_digest, base_theta = stale_base or (
-                region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
-            stale_base = None
-            window = region.progress
-            duration = plan.window_seconds + (plan.jitter[window % len(plan.jitter)] if plan.jitter else 0.0)
-            started = self.now
-            if overlapped is not None:  # trained since the hand-in, while the round ran
-                base_theta, started = overlapped
-                duration = max(0.0, started + duration - self.now)
-            since = overlapped[1] if overlapped is not None else self.now
-            restart = next((t for t in plan.restarts if since < t <= self.now + duration), None)
-            if restart is not None:  # the group dies mid-window and restarts: the window is trained again
-                overlapped = None  # from θ_global: the restarted group takes the actor's state
-                yield max(restart, self.now) - self.now + s.restart_seconds
-                round_ended = self.now
-                continue
-            yield duration
-            update = window_update(name, window, base_theta)
-            local = {k: base_theta[k] - update[k] for k in base_theta}
-            if overlapped is None:
-                if rules.check_exchange_step and base_step != region.outer.step_count:
-                    continue  # refused: the group restarts and takes the current state
-                if base_digest != region.digest:
-                    self.out.violations.append(f"base: {name} sent a Δ trained from {base_digest[:6]} against "
-                                               f"{region.digest[:6]} (step {region.outer.step_count})")
-                delta = region.outer.pseudo_gradient(local)
-            else:
-                delta = {k: base_theta[k] - local[k] for k in base_theta}
-            # As SyncActorImpl._complete_round: the deadline counts from when the region would be in had its
-            # last round blocked (= now without overlap).
-            arrived = (policy.round_arrival(self.now, round_ended, self.now - started) if rules.blocking_time_deadline
-                       else self.now)
-            overlapped = None
-            finite = (name, window) not in s.nonfinite
-            if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
-                                  checkpoint_every=s.checkpoint_every, stopping=self._stopping(plan), finite=finite):
-                newest = region.outer.global_state()
-                overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
-            before_round = (region.outer.step_count, region.digest,
-                            {k: v.clone() for k, v in region.outer.global_state().items()})
-            if not finite:  # as Rounds._skip_nonfinite_round: sit out, take a newer state, or stop
-                if not (yield from self._sit_out(region)):
-                    return
-                result = None
-            else:
-                result = yield from self._rendezvous(region, arrived, delta)
-            if result is False:
+            trained = yield from self._train_window(region)
+            if trained is not None and (yield from self._exchange(region, *trained)):
                 return
-            round_ended = self.now
-            if result is not None:
-                averaged, consistent, group, log = result
-                rules.outer_step(region.outer, averaged, plan.cpu)
-                region.digest = state_digest(region.outer.global_state())
-                self.publish(region, policy.published_group(group, consistent))
-                log["after"][name] = full_key(region.outer)
-            if region.outer.step_count > s.target:
-                self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
-            self.out.windows[name].append(window)
-            region.progress += 1
-            # As the SyncActor: a stop asked before a blocking round ended ends the region there (an overlapped
-            # round was handed back at once: the stop comes with the next round, which then blocks).
-            stopping = self._stopping(plan) and overlapped is None
-            if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping):
-                self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
-                                          dict(region.outer.momentum_state()), region.progress)
-            if not rules.atomic_handshake and any(arrived < t <= self.now for t in plan.restarts):
-                stale_base = before_round
-            if region.outer.step_count >= s.target:
-                yield from self._settle(region)
-                self.out.finished[name] = (region.outer.step_count, region.digest)
-                if s.leave_after_finish is not None:
-                    self._at(self.now + s.leave_after_finish, lambda: self._leave(name))
-                return
-            if stopping:
-                self._stop(region)
-                return
+
+    def _train_window(self, region: _Region):
+        """H inner steps from the region's base (θ_global, or with overlap the θ its workers train from). Returns
+        (window, base θ, local θ, Δ, when training started), or None when the window must be trained again: the
+        group restarted mid-window, or its exchange was refused."""
+        name, rules, s = region.plan.name, self.rules, self.s
+        base_step, base_digest, base_theta = region.stale_base or (
+            region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
+        region.stale_base = None
+        window = region.progress
+        jitter = region.plan.jitter
+        duration = region.plan.window_seconds + (jitter[window % len(jitter)] if jitter else 0.0)
+        started = self.now
+        if region.overlapped is not None:  # trained since the hand-in, while the round ran
+            base_theta, started = region.overlapped
+            duration = max(0.0, started + duration - self.now)
+        restart = next((t for t in region.plan.restarts if started < t <= self.now + duration), None)
+        if restart is not None:  # the group dies mid-window and restarts: the window is trained again
+            region.overlapped = None  # from θ_global: the restarted group takes the actor's state
+            yield max(restart, self.now) - self.now + s.restart_seconds
+            region.round_ended = self.now
+            return None
+        yield duration
+        update = window_update(name, window, base_theta)
+        local = {k: base_theta[k] - update[k] for k in base_theta}
+        if region.overlapped is not None:
+            return window, base_theta, local, {k: base_theta[k] - local[k] for k in base_theta}, started
+        if rules.check_exchange_step and base_step != region.outer.step_count:
+            return None  # refused: the group restarts and takes the current state
+        if base_digest != region.digest:
+            self.out.violations.append(f"base: {name} sent a Δ trained from {base_digest[:6]} against "
+                                       f"{region.digest[:6]} (step {region.outer.step_count})")
+        return window, base_theta, local, region.outer.pseudo_gradient(local), started
+
+    def _exchange(self, region: _Region, window: int, base_theta: dict, local: dict, delta: dict, started: float):
+        """As SyncActorImpl._complete_round and its round: overlap or block, sit a non-finite round out, or
+        rendezvous, average and step. Returns True when the region ended."""
+        name, rules, s = region.plan.name, self.rules, self.s
+        # As SyncActorImpl._complete_round: the deadline counts from when the region would be in had its last
+        # round blocked (= now without overlap).
+        arrived = (policy.round_arrival(self.now, region.round_ended, self.now - started)
+                   if rules.blocking_time_deadline else self.now)
+        region.overlapped = None
+        finite = (name, window) not in s.nonfinite
+        if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
+                              checkpoint_every=s.checkpoint_every, stopping=self._stopping(region.plan), finite=finite):
+            newest = region.outer.global_state()
+            region.overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
+        before_round = (region.outer.step_count, region.digest,
+                        {k: v.clone() for k, v in region.outer.global_state().items()})
+        if not finite:  # as Rounds._skip_nonfinite_round: sit out, take a newer state, or stop
+            if not (yield from self._sit_out(region)):
+                return True
+            result = None
+        else:
+            result = yield from self._rendezvous(region, arrived, delta)
+        if result is False:
+            return True
+        region.round_ended = self.now
+        if result is not None:
+            averaged, consistent, group, log = result
+            rules.outer_step(region.outer, averaged, region.plan.cpu)
+            region.digest = state_digest(region.outer.global_state())
+            self.publish(region, policy.published_group(group, consistent))
+            log["after"][name] = full_key(region.outer)
+        return (yield from self._after_round(region, window, arrived, before_round))
+
+    def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple):
+        """The window counted, a checkpoint where the workers take one, then the end (T reached, or a stop).
+        Returns True when the region ended."""
+        name, s = region.plan.name, self.s
+        if region.outer.step_count > s.target:
+            self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
+        self.out.windows[name].append(window)
+        region.progress += 1
+        # As the SyncActor: a stop asked before a blocking round ended ends the region there (an overlapped
+        # round was handed back at once: the stop comes with the next round, which then blocks).
+        stopping = self._stopping(region.plan) and region.overlapped is None
+        if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping):
+            self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
+                                      dict(region.outer.momentum_state()), region.progress)
+        if not self.rules.atomic_handshake and any(arrived < t <= self.now for t in region.plan.restarts):
+            region.stale_base = before_round  # the old handshake: a group restarted during the round took this
+        if region.outer.step_count >= s.target:
+            yield from self._settle(region)
+            self.out.finished[name] = (region.outer.step_count, region.digest)
+            if s.leave_after_finish is not None:
+                self._at(self.now + s.leave_after_finish, lambda: self._leave(name))
+            return True
+        if stopping:
+            self._stop(region)
+            return True
+        return False
 
     def _stopping(self, plan: RegionPlan) -> bool:
         return plan.stop_at is not None and plan.stop_at <= self.now and plan.name not in self.stops_served
