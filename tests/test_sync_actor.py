@@ -108,7 +108,9 @@ def test_two_diverged_regions_agree_on_one_state_instead_of_swapping(tmp_path):
     """Both regions alone in a round (one was later than the matchmaking window), same step, different θ: before
     the next round both must adopt the same canonical state. Each used to vote with group size 0 against the
     other's published 1, so each adopted the other's state, and they swapped again after every round."""
-    cfg = config(tmp_path, "swap", [1, 1], matchmaking_seconds=MM, outer_steps=8)
+    # Both are ready at once and the group fills at once: a long matchmaking window costs nothing here, and a
+    # loaded machine (CI) once let MM's 2 s pass before the two met, so each went alone and the check failed.
+    cfg = config(tmp_path, "swap", [1, 1], matchmaking_seconds=15.0, outer_steps=8)
     a = SyncActorImpl(cfg, "r0")
     b = None
     try:
