@@ -41,6 +41,7 @@ from ray_diloco.sync.policy import (
     published_group,
     round_arrival,
     settle_at_end,
+    startup_records,
 )
 
 R = StateRecord
@@ -156,6 +157,17 @@ def test_settle_at_end():
     assert final_state([me, final_b]) == final_b and final_state([me, done_b]) == me
     assert settle(me, [me, final_b, behind]) == Adopt(final_b)
     assert settle(R("a", 10, "db", 0), [R("a", 10, "db", 0), final_b, behind]) == Finish()
+
+
+def test_a_starting_region_never_joins_what_a_region_its_driver_starts_stored_before():
+    live, stored = [R("a", 1, "a1", 2)], [R("b", 2, "b2", 2), R("c", 3, "c3", 2)]
+    # b is started by this driver (resumed at step 1 with a): its stored step 2 is its own earlier life's; c runs
+    # in another cluster and may really be ahead.
+    records = startup_records(live, stored, started_here={"a", "b"})
+    assert records == [R("a", 1, "a1", 2), R("c", 3, "c3", 2)]
+    assert join_target(R("a", 1, "a1", 0), startup_records(live, stored[:1], {"a", "b"})) is None
+    assert join_target(R("a", 1, "a1", 0), startup_records(live, stored[:1], {"a"})) == R("b", 2, "b2", 2)
+    assert startup_records(None, stored[:1], {"a", "b"}) is None  # the DHT did not answer, storage has nothing
 
 
 def test_join_target_and_newer_state():

@@ -250,7 +250,9 @@ class Membership:
 
     def _join_if_behind(self) -> None:
         """A region starting mid-run takes the run's state before its workers take their first step."""
-        records = policy.with_stored(self._read_records(), self._stored_records(finals_only=False)) or []
+        started_here = {region.name for region in self.config.local_regions()}
+        records = policy.startup_records(self._read_records(), self._stored_records(finals_only=False),
+                                         started_here) or []
         own = StateRecord(self.region, self.outer.step_count, self._digest, 0)
         target = policy.join_target(own, records)
         if target is not None:

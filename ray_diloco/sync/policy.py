@@ -3,7 +3,8 @@ when to stop. No Ray, no Hivemind: the SyncActor reads the records, asks here, a
 (STYLE.md §3), and `tests/protocol_sim.py` drives the same functions through thousands of random schedules.
 
 A region's life, as the SyncActor runs it with these functions:
-1. join: `join_target` — a region starting (fresh, resumed, late) takes the others' canonical state if ahead;
+1. join: `join_target` — a region starting (fresh, resumed, late) takes the others' canonical state if ahead
+   (from `startup_records`: never what a region its own driver starts now stored in an earlier life);
 2. each round, `Rendezvous` (a state machine: records in, one action out — publish our phase, load a state,
    sleep, or end with Run or Finish), deciding with `plan_round`;
 3. after the last round, `Settling` (deciding with `settle_at_end`), then FINISHED (or UNSETTLED, where it could
@@ -383,6 +384,16 @@ def final_state(records: list[StateRecord]) -> StateRecord | None:
 def download_seconds(state_bytes: int, mbps: float, at_least: float) -> float:
     """How long loading a state of `state_bytes` may take: its size at `mbps` Mbit/s, never less than `at_least`."""
     return max(at_least, 8.0 * state_bytes / (mbps * 1e6))
+
+
+def startup_records(live: list[StateRecord] | None, stored: list[StateRecord],
+                    started_here: set[str]) -> list[StateRecord] | None:
+    """What a region starting up decides its join from: `with_stored`, less the stored records of the regions
+    its driver starts now (`started_here`: resumed at the driver's plan, or fresh). Those are their own previous
+    life's: a killed run's region that had committed one step more than the others left a record ahead of the
+    step they all resume from, and the first region started took that state — skipping a round whose windows it
+    then trained again."""
+    return with_stored(live, [record for record in stored if record.region not in started_here])
 
 
 def join_target(own: StateRecord, records: list[StateRecord]) -> StateRecord | None:
