@@ -233,9 +233,15 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluat
                                      resources_per_worker=resources, label_selector=selector),
         run_config=RunConfig(name=experiment, storage_path=cfg.run.checkpoint_root(),
                              failure_config=FailureConfig(max_failures=cfg.run.max_failures),
-                             # The SyncActor keeps its two newest outer checkpoints; these match them.
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+                             checkpoint_config=worker_checkpoint_config()),
     )
+
+
+def worker_checkpoint_config() -> CheckpointConfig:
+    """Ray Train deletes none: the SyncActor keeps the worker checkpoints its kept outer checkpoints name
+    (`prune_worker_checkpoints`). Ray Train's `num_to_keep` counts reports, and a step reported twice (trained
+    again after a restart) made it delete a worker checkpoint that a kept outer checkpoint named."""
+    return CheckpointConfig(num_to_keep=None)
 
 
 def evaluate_state(cfg: ExperimentConfig, model, state: dict | None, windows) -> tuple[float, float]:

@@ -11,32 +11,76 @@ run's storage (`RunConfig(storage_path=…)`: a local path, `s3://…` or `gs://
 A group of another size loads it too: `torch.distributed.checkpoint` re-shards the model and AdamW state to the
 loading group's mesh (the elastic resize of a region). The data position is the region's, kept by the SyncActor.
 
-The directory is named after the outer step, so the region's SyncActor — which commits its own outer
-checkpoint only after every rank has uploaded — can point a resumed or restarted worker at exactly the
-worker checkpoint that matches θ_global.
+The directory is named after the outer step and a token of this save, and the region's SyncActor — which
+commits its own outer checkpoint only after every rank has uploaded — records where it is, so a resumed or
+restarted worker loads exactly the worker checkpoint that matches θ_global. The token because one outer step
+can be saved twice: a group that restarts (or a run resumed from an older step) trains that step again. Ray
+Train keeps its list of reported checkpoints across a run's restarts and deletes the oldest by path; with one
+name per step it deleted the second save's directory together with the first's, under a committed outer
+checkpoint that still named it (tests/test_worker_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray.train
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ray_diloco.checkpoint import join
+from ray_diloco.data.files import resolve_filesystem
 
 
 META_FILE = "meta.json"
 
 
-def checkpoint_name(outer_step: int) -> str:
-    return f"checkpoint-outer-{outer_step:06d}"
+def checkpoint_name(outer_step: int, token: str) -> str:
+    return f"checkpoint-outer-{outer_step:06d}-{token}"
+
+
+# Written by this version (a token after the step) and by earlier ones (none).
+_NAME = re.compile(r"^checkpoint-outer-(\d{6,})(-[0-9a-f]+)?$")
+
+
+def stale_worker_checkpoints(names: list[str], kept: list[str], committed_step: int) -> list[str]:
+    """The worker checkpoints (directory names) no kept outer checkpoint names: saves of steps up to the newest
+    committed one other than `kept`. A newer step's is left alone (its ranks may still be uploading it)."""
+    return [name for name in names if (match := _NAME.match(name)) and int(match.group(1)) <= committed_step
+            and name not in kept]
+
+
+def prune_worker_checkpoints(kept_locations: list[str], committed_step: int) -> list[str]:
+    """Delete the region's worker checkpoints that no kept outer checkpoint names (`kept_locations`, the newest
+    last; they share one directory). The SyncActor does this, not Ray Train's `num_to_keep`: that counts
+    reports, and a step reported again after a restart made it delete a checkpoint a kept outer checkpoint
+    named. Returns the names deleted."""
+    directory = kept_locations[-1].rsplit("/", 1)[0]
+    fs, path = resolve_filesystem(directory)
+    names = [info.base_name for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+             if info.type == pafs.FileType.Directory]
+    stale = stale_worker_checkpoints(names, [location.rsplit("/", 1)[1] for location in kept_locations],
+                                     committed_step)
+    for name in stale:
+        fs.delete_dir(f"{path}/{name}")
+    return stale
+
+
+def save_token(world_size: int) -> str:
+    """A name no earlier save of the run has used, the same on every rank (collective when world_size > 1)."""
+    token = [uuid.uuid4().hex[:12]]
+    if world_size > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experiment_uri: str,
@@ -49,7 +93,7 @@ def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimi
         if rank == 0:
             meta = {"outer_step": outer_step, "inner_step": inner_step, "world_size": world_size}
             Path(local, META_FILE).write_text(json.dumps(meta))
-        name = checkpoint_name(outer_step)
+        name = checkpoint_name(outer_step, save_token(world_size))
         # Uploads this rank's files and waits for the other ranks (a barrier): when it returns, Ray Train
         # has the whole checkpoint.
         ray.train.report({"outer_step": outer_step, "inner_step": inner_step},

@@ -6,12 +6,15 @@
   waits longer than the killed region's record lives.
 - A region joining after outer step 2 loads θ_global from its peers over Hivemind (bit-identical) and
   takes part in the following rounds.
-- A whole run killed after a checkpoint resumes to the model of a run that was never stopped.
+- A whole run killed after a checkpoint resumes to the model of a run that was never stopped, round by round,
+  and keeps exactly the worker checkpoints its kept outer checkpoints name.
+- A step saved again after a restart keeps its worker checkpoint (Ray Train's own retention deleted it).
 """
 
 import dataclasses
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import ray
@@ -107,7 +110,7 @@ def test_a_killed_run_resumes_to_the_model_of_an_uninterrupted_run(local_ray, tm
     checkpoint; `--resume` continues from it. Same seeds → the same θ_global after every round, bit for bit, and the
     same windows trained on, none twice, none skipped, as the run that was never stopped."""
     def config(name):
-        return small_run(tmp_path / name, name, workers=[2, 1], inner_steps=3, outer_steps=4, checkpoint_every=1,
+        return small_run(tmp_path / name, name, workers=[2, 1], inner_steps=3, outer_steps=3, checkpoint_every=1,
                          max_failures=0)
 
     reference = run_training(config("straight"))
@@ -125,7 +128,7 @@ def test_a_killed_run_resumes_to_the_model_of_an_uninterrupted_run(local_ray, tm
     with pytest.raises(RuntimeError, match="training failed"):
         run.join(timeout=300)
     stopped_at = min(s.latest_step() for s in stores.values())
-    assert 1 <= stopped_at < 4, "the kill came after the run finished; test is void"
+    assert 1 <= stopped_at < 3, "the kill came after the run finished; test is void"
 
     resumed = run_training(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True)))
     events = resumed["events"]
@@ -134,7 +137,7 @@ def test_a_killed_run_resumes_to_the_model_of_an_uninterrupted_run(local_ray, tm
     restored = [e for e in events if e["event"] == "inner_state_restored"]
     assert sorted(e["region"] for e in restored) == ["r0", "r1"], events  # AdamW state from the worker checkpoints
     for region in ("r0", "r1"):
-        assert [r["outer_step"] for r in resumed["rounds"][region]] == list(range(stopped_at, 4))
+        assert [r["outer_step"] for r in resumed["rounds"][region]] == list(range(stopped_at, 3))
     assert resumed["regions_agree"]
     # The same windows as the uninterrupted run: a window seen twice or skipped changes the fingerprint.
     assert resumed["data_fingerprint"] == reference["data_fingerprint"], (resumed["data_fingerprint"],
@@ -150,6 +153,13 @@ def test_a_killed_run_resumes_to_the_model_of_an_uninterrupted_run(local_ray, tm
     resumed_model = load_model(tmp_path / "stopped" / "stopped" / "model")
     for name, param in straight_model.items():
         torch.testing.assert_close(resumed_model[name], param, rtol=0, atol=0, msg=name)
+    # Each region keeps the worker checkpoints its kept outer checkpoints name, complete, and no other (the
+    # killed run's included): `prune_worker_checkpoints`.
+    for region, store in stores.items():
+        named = [Path(store.load(step).worker_checkpoint) for step in store.steps()]
+        assert len(named) == 2 and all((path / "meta.json").is_file() for path in named), (region, named)
+        kept = sorted(path.name for path in named[0].parent.glob("checkpoint-outer-*"))
+        assert kept == sorted(path.name for path in named), (region, kept)
 
     # The latest outer checkpoint exports as a Hugging Face model: θ_global of the last outer step.
     assert main(["export", "--checkpoint", str(stores["r0"].root), "--out", str(tmp_path / "hf")]) == 0
@@ -162,3 +172,49 @@ def load_model(directory):
     from transformers import AutoModelForCausalLM
 
     return dict(AutoModelForCausalLM.from_pretrained(str(directory)).named_parameters())
+
+
+def test_a_step_saved_again_after_a_restart_keeps_its_worker_checkpoint(local_ray, tmp_path):
+    """Ray Train keeps its list of reported checkpoints across a run's restarts (same name and storage). A run
+    resumed from outer step 1 trains and saves step 2 again: that save must survive the next one, since the
+    SyncActor's kept outer checkpoint names it. With one directory name per step and Ray Train's `num_to_keep=2`,
+    the report of step 3 deleted step 2's directory (the first save's entry pointed at the same path)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_diloco.driver import worker_checkpoint_config
+    from ray_diloco.worker_checkpoint import load_worker_checkpoint, prune_worker_checkpoints
+
+    storage, saved = tmp_path / "storage", tmp_path / "saved.txt"
+
+    def loop(config):
+        from ray_diloco.worker_checkpoint import save_worker_checkpoint
+
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        for step in config["steps"]:
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            location = save_worker_checkpoint(model, optimizer, config["experiment"], step, 3 * step, 0, 1)
+            with open(config["saved"], "a") as handle:
+                handle.write(f"{step} {location}\n")
+
+    def run(steps):
+        TorchTrainer(loop, train_loop_config={"steps": steps, "experiment": str(storage / "exp"), "saved": str(saved)},
+                     scaling_config=ScalingConfig(num_workers=1),
+                     run_config=RunConfig(name="exp", storage_path=str(storage),
+                                          checkpoint_config=worker_checkpoint_config())).fit()
+
+    run([1, 2])
+    run([2, 3])  # resumed from step 1: step 2 trained and saved again
+    saves = [line.split() for line in saved.read_text().splitlines()]
+    assert [int(step) for step, _ in saves] == [1, 2, 2, 3]
+    kept = [saves[2][1], saves[3][1]]  # what the SyncActor's two kept outer checkpoints name
+    for location in kept:
+        model = torch.nn.Linear(4, 4)
+        assert load_worker_checkpoint(location, model, torch.optim.AdamW(model.parameters()))["outer_step"] in (2, 3)
+    # The SyncActor's pruning deletes the others: step 1's and the first save of step 2.
+    deleted = prune_worker_checkpoints(kept, committed_step=3)
+    assert sorted(deleted) == sorted(location.rsplit("/", 1)[1] for _, location in saves[:2])
+    assert sorted(p.name for p in (storage / "exp").glob("checkpoint-outer-*")) == sorted(
+        location.rsplit("/", 1)[1] for location in kept)

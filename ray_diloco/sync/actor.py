@@ -24,9 +24,9 @@ newer state another region publishes, or stops with an error if no other region 
 
 Who is in a round, which state is canonical, when to re-sync and when to stop are decided by
 `ray_diloco.sync.policy` from the regions' DHT records; this actor reads the records and carries decisions out.
-The actor is three parts: this module (the workers' side: exchange, resume, checkpoints, overlap),
-`membership.py` (publishing, reading and acting on the records) and `rounds.py` (one round: rendezvous,
-average, outer step, record).
+The actor is four parts: this module (the workers' side: exchange, resume, overlap), `membership.py`
+(publishing, reading and acting on the records), `rounds.py` (one round: rendezvous, average, outer step,
+record) and `checkpoints.py` (commit, resume from one, prune the workers').
 """
 
 from __future__ import annotations
@@ -43,19 +43,20 @@ import torch
 
 from ray_diloco import metrics
 from ray_diloco.batches import region_progress
-from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
+from ray_diloco.checkpoint import CheckpointStore, join
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.network import region_network
 from ray_diloco.sharding import assemble, from_wire, rows_for_rank, to_wire
 from ray_diloco.sync import policy
 from ray_diloco.sync.averaging import RegionAverager
-from ray_diloco.sync.bounded import LISTING_SECONDS, BoundedCalls
+from ray_diloco.sync.bounded import BoundedCalls
+from ray_diloco.sync.checkpoints import Checkpoints
 from ray_diloco.sync.codecs import count_nonfinite
 from ray_diloco.sync.compressed import CompressedRounds
 from ray_diloco.sync.membership import Membership
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, state_digest
-from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
+from ray_diloco.sync.policy import StateRecord
 from ray_diloco.sync.rounds import PendingRound, Rounds, poison_factor_for_test
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ ROUTINE_EVENTS = frozenset({"hivemind_started", "peer_connected", "dht_recovered
 REPORTED_PEERS = 64  # refused (peer, what) pairs reported as events; the rest are counted
 
 
-class SyncActorImpl(Membership, Rounds, CompressedRounds):
+class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
     """Plain class (tested directly); `SyncActor` below is its Ray actor form. Publishing, reading and acting on
     the regions' records is in `Membership` (membership.py)."""
 
@@ -185,6 +186,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         self.group_workers: int | None = None  # the worker count of the region's group now
         self.store = CheckpointStore(join(cfg.run.checkpoint_root(), self.region))
         self.committed: tuple[int, str] | None = None  # (outer step, worker checkpoint) of the last commit
+        self._kept_worker_checkpoints: list[str] = []  # those the kept outer checkpoints name, the newest last
         self.inner_report: dict = {}  # rank 0's last loss, tokens/s, lr (note_inner): for the live summary
 
     # -- discovery and state -------------------------------------------------------------------------
@@ -238,19 +240,6 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
     def digest(self) -> str:
         return self._digest
 
-    def _resume_from_checkpoint(self, step: int) -> None:
-        """`step`: the outer step the driver resumes all its regions from."""
-        checkpoint = self.store.load(step)
-        if checkpoint.progress is not None and "batches" not in checkpoint.progress:
-            raise ValueError(f"{self.store.location(step)} holds per-worker data positions (written by a version "
-                             "before region-level positions): continue it with that version, or start a new run")
-        self._set_state(checkpoint.outer_step, checkpoint.theta, checkpoint.momentum)
-        if self.compressor is not None:  # the region's own error feedback / momentum, exactly as it was
-            self.compressor.load_state_dict(checkpoint.method_state)
-        self.progress, self.tokens = checkpoint.progress, checkpoint.tokens
-        self.committed = (checkpoint.outer_step, checkpoint.worker_checkpoint)
-        self.record_event("resumed", checkpoint=self.store.location(checkpoint.outer_step), digest=self._digest)
-
     # -- checkpoints: the workers' first, then ours ----------------------------------------------------
     async def resume_state(self, rank: int, world_size: int) -> dict:
         """Where a (re)starting worker of this region continues, all from one state: the outer step, this
@@ -284,39 +273,6 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds):
         its round (the round in flight ends first)."""
         outer = self.config.outer
         return 2 * outer.max_wait_seconds + 2 * outer.averaging_timeout + 6 * self._download_seconds() + 60.0
-
-    async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str | None:
-        """Called by rank 0 once every rank has uploaded its worker checkpoint of `outer_step`: saves θ_global,
-        momentum, outer step and data progress, marked complete last. Returns the checkpoint's location (None:
-        not committed, event checkpoint_failed)."""
-        if outer_step != self.outer.step_count:
-            raise RuntimeError(f"[{self.region}] commit of outer step {outer_step}, but the outer state is at "
-                               f"step {self.outer.step_count}")
-        (step, theta, momentum), digest = self._snapshot(), self._digest  # no await between: one state
-        momentum_digest = self._momentum_digest
-        method_state = self.compressor.state_dict() if self.compressor is not None else {}
-        checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=self.progress,
-                                     worker_checkpoint=worker_checkpoint, tokens=self.tokens,
-                                     config_yaml=self.config.to_yaml(), method_state=method_state)
-        # Off the event loop: other regions' calls (state sharing) go on while the files are written. Bounded by
-        # the state's size at the slowest link the run allows: a hung bucket costs this checkpoint (the region
-        # goes on; the last committed one stays the latest), never the group.
-        bound = self._download_seconds() + LISTING_SECONDS
-        try:
-            location = await asyncio.get_running_loop().run_in_executor(
-                None, self._storage.call, "checkpoint", lambda: self.store.save(checkpoint), bound)
-        except Exception as error:
-            self.record_event("checkpoint_failed", outer_step=step, error=repr(error)[:300])
-            return None
-        self.committed = (step, worker_checkpoint)
-        # A region starting after our driver is gone can join from it; never over our final record (a checkpoint
-        # of the last step comes after the region finished).
-        if self.sharer is not None and self._published.phase not in (FINISHED, UNSETTLED):
-            record = StateRecord(self.region, step, digest, 0, momentum_digest=momentum_digest)
-            await asyncio.get_running_loop().run_in_executor(None, self._keep_in_storage, record, location)
-        metrics.safely(metrics.record_checkpoint, self.config.run.name, self.region, outer_step=step)
-        logger.info("[%s] checkpoint of outer step %d committed: %s", self.region, step, location)
-        return location
 
     def catch_up(self) -> int:
         """Called by the driver once every region's actor runs: a region that started before its peers, or
