@@ -16,7 +16,7 @@ from ray_diloco.presets import tiny_cpu
 
 
 def pytest_sessionfinish(session, exitstatus):
-    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+    session.config.stash[_SESSION] = session  # its exitstatus is read last, after every plugin's sessionfinish
 
 
 @pytest.hookimpl(trylast=True)
@@ -25,14 +25,14 @@ def pytest_unconfigure(config):
     run (417 passed) once ended in a segmentation fault there, after its summary, with no Python frame to show
     (a C extension's teardown — Ray, Hivemind, torch and pyarrow's S3 client all live in this process). The status
     is pytest's own, so a failing test still fails the run."""
-    status = config.stash.get(_EXIT_STATUS, None)
-    if status is not None:
+    session = config.stash.get(_SESSION, None)
+    if session is not None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(status)
+        os._exit(int(session.exitstatus))
 
 
-_EXIT_STATUS = pytest.StashKey[int]()
+_SESSION = pytest.StashKey[pytest.Session]()
 
 
 @pytest.fixture(autouse=True, scope="module")
