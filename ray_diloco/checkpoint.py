@@ -51,7 +51,9 @@ class OuterCheckpoint:
 class CheckpointStore:
     """The outer checkpoints of one region under `root` (a local path or a URI)."""
 
-    def __init__(self, root: str, keep: int = 2):
+    keep_default = 2  # committed checkpoints kept per region (the workers' are kept to match: driver.py)
+
+    def __init__(self, root: str, keep: int = keep_default):
         self.root = root
         self.fs, self.path = resolve_filesystem(root)
         self.keep = keep

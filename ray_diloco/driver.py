@@ -23,7 +23,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_diloco.checkpoint import join
+from ray_diloco.checkpoint import CheckpointStore, join
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, build_region_datasets
@@ -238,10 +238,12 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluat
 
 
 def worker_checkpoint_config() -> CheckpointConfig:
-    """Ray Train deletes none: the SyncActor keeps the worker checkpoints its kept outer checkpoints name
-    (`prune_worker_checkpoints`). Ray Train's `num_to_keep` counts reports, and a step reported twice (trained
-    again after a restart) made it delete a worker checkpoint that a kept outer checkpoint named."""
-    return CheckpointConfig(num_to_keep=None)
+    """Ray Train keeps the newest reports (each save a directory of its own) and deletes the older ones, across
+    a run's restarts (it reloads its list, and refuses to start if a listed directory is gone: so only Ray Train
+    deletes them). The SyncActor keeps its two newest outer checkpoints, each naming one report; twice as many
+    reports leave room for saves not followed by a commit (a failed commit, a group killed between the two, a
+    step trained again after a restart)."""
+    return CheckpointConfig(num_to_keep=2 * CheckpointStore.keep_default)
 
 
 def evaluate_state(cfg: ExperimentConfig, model, state: dict | None, windows) -> tuple[float, float]:

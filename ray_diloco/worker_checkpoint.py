@@ -17,20 +17,18 @@ restarted worker loads exactly the worker checkpoint that matches θ_global. The
 can be saved twice: a group that restarts (or a run resumed from an older step) trains that step again. Ray
 Train keeps its list of reported checkpoints across a run's restarts and deletes the oldest by path; with one
 name per step it deleted the second save's directory together with the first's, under a committed outer
-checkpoint that still named it (tests/test_worker_checkpoint.py).
+checkpoint that still named it (tests/test_faults.py::test_a_step_saved_again_after_a_restart_keeps_its_worker_checkpoint).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
 import ray.train
 import torch
 import torch.distributed as dist
@@ -38,7 +36,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ray_diloco.checkpoint import join
-from ray_diloco.data.files import resolve_filesystem
 
 
 META_FILE = "meta.json"
@@ -46,33 +43,6 @@ META_FILE = "meta.json"
 
 def checkpoint_name(outer_step: int, token: str) -> str:
     return f"checkpoint-outer-{outer_step:06d}-{token}"
-
-
-# Written by this version (a token after the step) and by earlier ones (none).
-_NAME = re.compile(r"^checkpoint-outer-(\d{6,})(-[0-9a-f]+)?$")
-
-
-def stale_worker_checkpoints(names: list[str], kept: list[str], committed_step: int) -> list[str]:
-    """The worker checkpoints (directory names) no kept outer checkpoint names: saves of steps up to the newest
-    committed one other than `kept`. A newer step's is left alone (its ranks may still be uploading it)."""
-    return [name for name in names if (match := _NAME.match(name)) and int(match.group(1)) <= committed_step
-            and name not in kept]
-
-
-def prune_worker_checkpoints(kept_locations: list[str], committed_step: int) -> list[str]:
-    """Delete the region's worker checkpoints that no kept outer checkpoint names (`kept_locations`, the newest
-    last; they share one directory). The SyncActor does this, not Ray Train's `num_to_keep`: that counts
-    reports, and a step reported again after a restart made it delete a checkpoint a kept outer checkpoint
-    named. Returns the names deleted."""
-    directory = kept_locations[-1].rsplit("/", 1)[0]
-    fs, path = resolve_filesystem(directory)
-    names = [info.base_name for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-             if info.type == pafs.FileType.Directory]
-    stale = stale_worker_checkpoints(names, [location.rsplit("/", 1)[1] for location in kept_locations],
-                                     committed_step)
-    for name in stale:
-        fs.delete_dir(f"{path}/{name}")
-    return stale
 
 
 def save_token(world_size: int) -> str:

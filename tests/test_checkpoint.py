@@ -90,17 +90,3 @@ def test_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     assert store.steps() == [1]
     loaded = store.load()
     assert loaded.outer_step == 1 and torch.equal(loaded.theta["w"], theta["w"])
-
-
-
-def test_stale_worker_checkpoints_are_the_unnamed_saves_up_to_the_committed_step():
-    from ray_diloco.worker_checkpoint import stale_worker_checkpoints
-
-    names = ["checkpoint-outer-000001", "checkpoint-outer-000002-aa11", "checkpoint-outer-000002-bb22",
-             "checkpoint-outer-000003-cc33", "checkpoint-outer-000004-dd44", "outer-000002", "notes"]
-    kept = ["checkpoint-outer-000002-bb22", "checkpoint-outer-000003-cc33"]
-    # step 1 (an earlier version's name), the other save of step 2; never step 4 (newer than the commit: its
-    # ranks may still be uploading), nor what is not a worker checkpoint
-    assert stale_worker_checkpoints(names, kept, committed_step=3) == ["checkpoint-outer-000001",
-                                                                       "checkpoint-outer-000002-aa11"]
-    assert stale_worker_checkpoints(names, names, committed_step=4) == []

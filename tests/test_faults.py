@@ -7,7 +7,7 @@
 - A region joining after outer step 2 loads θ_global from its peers over Hivemind (bit-identical) and
   takes part in the following rounds.
 - A whole run killed after a checkpoint resumes to the model of a run that was never stopped, round by round,
-  and keeps exactly the worker checkpoints its kept outer checkpoints name.
+  and every kept outer checkpoint names a complete worker checkpoint.
 - A step saved again after a restart keeps its worker checkpoint (Ray Train's own retention deleted it).
 """
 
@@ -153,13 +153,11 @@ def test_a_killed_run_resumes_to_the_model_of_an_uninterrupted_run(local_ray, tm
     resumed_model = load_model(tmp_path / "stopped" / "stopped" / "model")
     for name, param in straight_model.items():
         torch.testing.assert_close(resumed_model[name], param, rtol=0, atol=0, msg=name)
-    # Each region keeps the worker checkpoints its kept outer checkpoints name, complete, and no other (the
-    # killed run's included): `prune_worker_checkpoints`.
+    # Every kept outer checkpoint names a complete worker checkpoint (the killed run's saves of the same steps
+    # are other directories: each save has its own).
     for region, store in stores.items():
         named = [Path(store.load(step).worker_checkpoint) for step in store.steps()]
-        assert len(named) == 2 and all((path / "meta.json").is_file() for path in named), (region, named)
-        kept = sorted(path.name for path in named[0].parent.glob("checkpoint-outer-*"))
-        assert kept == sorted(path.name for path in named), (region, kept)
+        assert len(set(named)) == 2 and all((path / "meta.json").is_file() for path in named), (region, named)
 
     # The latest outer checkpoint exports as a Hugging Face model: θ_global of the last outer step.
     assert main(["export", "--checkpoint", str(stores["r0"].root), "--out", str(tmp_path / "hf")]) == 0
@@ -183,7 +181,7 @@ def test_a_step_saved_again_after_a_restart_keeps_its_worker_checkpoint(local_ra
     from ray.train.torch import TorchTrainer
 
     from ray_diloco.driver import worker_checkpoint_config
-    from ray_diloco.worker_checkpoint import load_worker_checkpoint, prune_worker_checkpoints
+    from ray_diloco.worker_checkpoint import load_worker_checkpoint
 
     storage, saved = tmp_path / "storage", tmp_path / "saved.txt"
 
@@ -207,14 +205,12 @@ def test_a_step_saved_again_after_a_restart_keeps_its_worker_checkpoint(local_ra
 
     run([1, 2])
     run([2, 3])  # resumed from step 1: step 2 trained and saved again
+    run([4, 5])  # and again, after Ray Train deleted older saves itself (it refuses to start if one it lists is gone)
     saves = [line.split() for line in saved.read_text().splitlines()]
-    assert [int(step) for step, _ in saves] == [1, 2, 2, 3]
-    kept = [saves[2][1], saves[3][1]]  # what the SyncActor's two kept outer checkpoints name
-    for location in kept:
+    assert [int(step) for step, _ in saves] == [1, 2, 2, 3, 4, 5]
+    keep = worker_checkpoint_config().num_to_keep
+    left = sorted(path.name for path in (storage / "exp").glob("checkpoint-outer-*"))
+    assert left == sorted(location.rsplit("/", 1)[1] for _, location in saves[-keep:])  # the newest saves
+    for step, location in saves[-keep:]:  # the second save of step 2 among them, whole
         model = torch.nn.Linear(4, 4)
-        assert load_worker_checkpoint(location, model, torch.optim.AdamW(model.parameters()))["outer_step"] in (2, 3)
-    # The SyncActor's pruning deletes the others: step 1's and the first save of step 2.
-    deleted = prune_worker_checkpoints(kept, committed_step=3)
-    assert sorted(deleted) == sorted(location.rsplit("/", 1)[1] for _, location in saves[:2])
-    assert sorted(p.name for p in (storage / "exp").glob("checkpoint-outer-*")) == sorted(
-        location.rsplit("/", 1)[1] for location in kept)
+        assert load_worker_checkpoint(location, model, torch.optim.AdamW(model.parameters()))["outer_step"] == int(step)

@@ -137,11 +137,13 @@ def test_two_diverged_regions_agree_on_one_state_instead_of_swapping(tmp_path):
     assert len([e for e in a.events + b.events if e["event"] == "resync"]) == 1  # exactly one adopted
 
 
-def test_a_resumed_region_never_joins_what_a_region_of_its_own_driver_stored_before(tmp_path):
+@pytest.mark.parametrize("ahead_step, phase", [(2, "training"), (4, "finished")])  # a commit, a final state
+def test_a_resumed_region_never_joins_what_a_region_of_its_own_driver_stored_before(tmp_path, ahead_step, phase):
     """A killed run's r1 had committed step 2 and r0 only step 1, so the run resumes both from step 1. r0's actor
     starts first and reads the stored records before r1 publishes: r1's (step 2, its earlier life's) must not be
     joined — r0 took it and skipped a round whose windows it then trained again. Where r1 runs in another cluster
-    (run.local_regions: r0 alone), its stored step 2 is the run's state, and r0 joins it (a late region)."""
+    (run.local_regions: r0 alone), its stored state is the run's, and r0 joins it (a late region). Both for a
+    committed step and a final state (stored final records also reach every read of the records)."""
     from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
     from ray_diloco.config import ExperimentConfig
     from ray_diloco.model import build_model, parameter_state
@@ -160,18 +162,18 @@ def test_a_resumed_region_never_joins_what_a_region_of_its_own_driver_stored_bef
     ahead = moved(2)
     momentum = {name: torch.zeros_like(t) for name, t in ahead.items()}
     location = CheckpointStore(join(run.checkpoint_root(), "r1")).save(
-        OuterCheckpoint(outer_step=2, theta=ahead, momentum=momentum))
-    record = StateRecord("r1", 2, state_digest(ahead), 2, momentum_digest=state_digest(momentum))
+        OuterCheckpoint(outer_step=ahead_step, theta=ahead, momentum=momentum))
+    record = StateRecord("r1", ahead_step, state_digest(ahead), 2, phase, momentum_digest=state_digest(momentum))
     durable.write_record(run.states_dir(), durable.StoredRecord(record, location))
 
-    for local_regions, expected in (([], 1), (["r0"], 2)):
+    for local_regions, expected in (([], 1), (["r0"], ahead_step)):
         actor = SyncActorImpl({**cfg, "run": {**cfg["run"], "local_regions": local_regions}}, "r0", resume_step=1)
         try:
             step, joined = actor.outer.step_count, [e for e in actor.events if e["event"] == "region_joined"]
         finally:
             actor.shutdown()
         assert step == expected, (local_regions, actor.events)
-        assert len(joined) == (expected == 2), actor.events
+        assert len(joined) == (expected == ahead_step), actor.events
 
 
 def test_a_region_late_for_the_last_round_ends_at_t_with_the_others_state(tmp_path):

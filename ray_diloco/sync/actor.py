@@ -26,7 +26,7 @@ Who is in a round, which state is canonical, when to re-sync and when to stop ar
 `ray_diloco.sync.policy` from the regions' DHT records; this actor reads the records and carries decisions out.
 The actor is four parts: this module (the workers' side: exchange, resume, overlap), `membership.py`
 (publishing, reading and acting on the records), `rounds.py` (one round: rendezvous, average, outer step,
-record) and `checkpoints.py` (commit, resume from one, prune the workers').
+record) and `checkpoints.py` (commit, resume from one).
 """
 
 from __future__ import annotations
@@ -186,7 +186,6 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         self.group_workers: int | None = None  # the worker count of the region's group now
         self.store = CheckpointStore(join(cfg.run.checkpoint_root(), self.region))
         self.committed: tuple[int, str] | None = None  # (outer step, worker checkpoint) of the last commit
-        self._kept_worker_checkpoints: list[str] = []  # those the kept outer checkpoints name, the newest last
         self.inner_report: dict = {}  # rank 0's last loss, tokens/s, lr (note_inner): for the live summary
 
     # -- discovery and state -------------------------------------------------------------------------

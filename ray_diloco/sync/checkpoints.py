@@ -1,5 +1,5 @@
 """Checkpoints of a region's SyncActor: the outer state committed beside the workers' checkpoint of the same
-outer step, the run resumed from one, and the workers' checkpoints that no kept outer checkpoint names deleted.
+outer step, and the run resumed from one.
 
 A mixin of `SyncActorImpl` (actor.py), like `rounds.py` and `membership.py`: the actor's state lives there.
 The workers save first (`ray_diloco.worker.checkpoint_region`: every rank uploads through Ray Train), then rank 0
@@ -15,7 +15,6 @@ from ray_diloco import metrics
 from ray_diloco.checkpoint import OuterCheckpoint
 from ray_diloco.sync.bounded import LISTING_SECONDS
 from ray_diloco.sync.policy import FINISHED, UNSETTLED, StateRecord
-from ray_diloco.worker_checkpoint import prune_worker_checkpoints
 
 logger = logging.getLogger("ray_diloco.sync.actor")  # the actor's log: one stream per region
 
@@ -34,7 +33,6 @@ class Checkpoints:
             self.compressor.load_state_dict(checkpoint.method_state)
         self.progress, self.tokens = checkpoint.progress, checkpoint.tokens
         self.committed = (checkpoint.outer_step, checkpoint.worker_checkpoint)
-        self._kept_worker_checkpoints = [checkpoint.worker_checkpoint] if checkpoint.worker_checkpoint else []
         self.record_event("resumed", checkpoint=self.store.location(checkpoint.outer_step), digest=self._digest)
 
     async def commit_checkpoint(self, outer_step: int, worker_checkpoint: str) -> str | None:
@@ -61,7 +59,6 @@ class Checkpoints:
             self.record_event("checkpoint_failed", outer_step=step, error=repr(error)[:300])
             return None
         self.committed = (step, worker_checkpoint)
-        await asyncio.get_running_loop().run_in_executor(None, self._prune_worker_checkpoints, step, worker_checkpoint)
         # A region starting after our driver is gone can join from it; never over our final record (a checkpoint
         # of the last step comes after the region finished).
         if self.sharer is not None and self._published.phase not in (FINISHED, UNSETTLED):
@@ -70,16 +67,3 @@ class Checkpoints:
         metrics.safely(metrics.record_checkpoint, self.config.run.name, self.region, outer_step=step)
         logger.info("[%s] checkpoint of outer step %d committed: %s", self.region, step, location)
         return location
-
-    def _prune_worker_checkpoints(self, step: int, worker_checkpoint: str) -> None:
-        """Keep the worker checkpoints that the kept outer checkpoints name (the store keeps its newest `keep`);
-        a failure costs disk space, never the checkpoint just committed."""
-        self._kept_worker_checkpoints = [*self._kept_worker_checkpoints, worker_checkpoint][-self.store.keep:]
-        try:
-            deleted = self._storage.call("worker checkpoints", lambda: prune_worker_checkpoints(
-                self._kept_worker_checkpoints, step), LISTING_SECONDS)
-        except Exception as error:  # noqa: BLE001 — logged: the next commit tries again
-            logger.warning("[%s] old worker checkpoints not deleted: %s", self.region, repr(error)[:300])
-            return
-        if deleted:
-            logger.info("[%s] deleted worker checkpoints no kept outer checkpoint names: %s", self.region, deleted)

@@ -132,12 +132,12 @@ class Membership:
                 self.record_event("dht_error", during=f"publishing phase {phase}", error=repr(error)[:300])
             self._phase_failing = True
 
-    def _read_records(self) -> list[StateRecord] | None:
-        """The live records of the run and the stored final ones of regions without a live record; None if the
-        DHT did not answer in time and storage has none (the policy then waits). One event per outage, not
-        one per poll."""
+    def _read_records(self, leave_out: frozenset[str] = frozenset()) -> list[StateRecord] | None:
+        """The live records of the run and the stored final ones of regions without a live record (but those of
+        `leave_out`); None if the DHT did not answer in time and storage has none (the policy then waits). One
+        event per outage, not one per poll."""
         self._dial_peer_files()  # a region that started at the same moment as we did may have appeared
-        stored = self._stored_records(finals_only=True)
+        stored = [r for r in self._stored_records(finals_only=True) if r.region not in leave_out]
         try:
             records = self.sharer.records()
         except Exception as error:
@@ -250,9 +250,9 @@ class Membership:
 
     def _join_if_behind(self) -> None:
         """A region starting mid-run takes the run's state before its workers take their first step."""
-        started_here = {region.name for region in self.config.local_regions()}
-        records = policy.startup_records(self._read_records(), self._stored_records(finals_only=False),
-                                         started_here) or []
+        started_here = frozenset(region.name for region in self.config.local_regions())
+        records = policy.startup_records(self._read_records(leave_out=started_here),
+                                         self._stored_records(finals_only=False), started_here) or []
         own = StateRecord(self.region, self.outer.step_count, self._digest, 0)
         target = policy.join_target(own, records)
         if target is not None:
