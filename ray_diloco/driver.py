@@ -213,8 +213,11 @@ def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], datasets: l
     return streams
 
 
-def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluator: Any, stream: Any
+def make_trainer(cfg: ExperimentConfig, group: RegionConfig, with_sync_actor: bool, evaluator: str | None
                  ) -> TorchTrainer:
+    """The region's Ray Train group. Its workers find the run's actors by name (`worker.run_actors`): an actor
+    handle in `train_loop_config` would make Ray Train's controller import the actor's module to unpickle it (hivemind,
+    transformers: seconds of CPU and ~150 MB in a process that never calls it)."""
     selector = region_placement(group)
     resources = {"CPU": group.cpus_per_worker}
     if group.gpus_per_worker:
@@ -222,8 +225,10 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, actor: Any, evaluat
     experiment = f"{cfg.run.name}-{group.name}"  # the Ray Train run: its name on the dashboard
     return TorchTrainer(
         region_train_loop,
-        train_loop_config={"experiment": cfg.to_dict(), "region": group.name, "sync_actor": actor,
-                           "evaluator": evaluator, "stream": stream,
+        train_loop_config={"experiment": cfg.to_dict(), "region": group.name,
+                           "namespace": ray.get_runtime_context().namespace,
+                           "sync_actor": run_actor_name("sync", cfg, group.name) if with_sync_actor else None,
+                           "evaluator": evaluator, "stream": run_actor_name("stream", cfg, group.name),
                            "threads_per_worker": max(1, int(group.cpus_per_worker)),
                            "worker_checkpoints": join(cfg.run.checkpoint_root(), experiment)},
         # A range lets Ray Train (re)start the group with the workers the cluster has room for (elastic).
@@ -351,8 +356,8 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
             live = LiveSummary([g.name for g in groups], actors, evaluator, cfg.run.outer_steps,
                                patience=2 * cfg.outer.matchmaking_seconds)
         streams = start_streams(cfg, groups, datasets, counters)
-        trainers = [make_trainer(cfg, group, actor, evaluator, stream)
-                    for group, actor, stream in zip(groups, actors, streams)]
+        evaluator_name = run_actor_name("eval", cfg, drivers_regions) if evaluator is not None else None
+        trainers = [make_trainer(cfg, group, actor is not None, evaluator_name) for group, actor in zip(groups, actors)]
         if stop is not None:
             stop.start_training(actors)
         # Each fit() blocks until its group finishes; regions meet only in their SyncActors.

@@ -138,6 +138,16 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
         ray.get(sync_actor.commit_checkpoint.remote(outer_step, location))
 
 
+def run_actors(loop_config: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The region's SyncActor (None in a baseline), the run's evaluator (None without mid-run evaluations) and the
+    region's data stream, by the names the driver gave them (`driver.make_trainer` says why not handles)."""
+    def named(key: str) -> Any:
+        name = loop_config.get(key)
+        return ray.get_actor(name, namespace=loop_config["namespace"]) if name else None
+
+    return named("sync_actor"), named("evaluator"), named("stream")
+
+
 def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     """`train_loop_per_worker` of a group's TorchTrainer.
 
@@ -147,7 +157,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     SyncActor, the final full model)."""
     cfg = ExperimentConfig.from_dict(loop_config["experiment"])
     region: str = loop_config["region"]
-    sync_actor, evaluator = loop_config.get("sync_actor"), loop_config.get("evaluator")
+    sync_actor, evaluator, stream = run_actors(loop_config)
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
@@ -163,7 +173,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     if sync_actor is not None:
         ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname()))
         start_outer, progress = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
-    batches = WorkerBatches(loop_config["stream"], device, rank, world_size, progress)
+    batches = WorkerBatches(stream, device, rank, world_size, progress)
 
     tokens_total, last_sync_seconds, sync_seconds_total, checkpoint_seconds = 0, 0.0, 0.0, 0.0
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits

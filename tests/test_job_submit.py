@@ -54,6 +54,9 @@ class Head:
             self.token.parent.mkdir()
             shutil.copy2(token, self.token)
         self.env["RAY_AUTH_MODE"] = "token"
+        # No drain at the end (a Serve upgrade's concern): Ray Train's and Ray Data's detached actors never let the
+        # node drain, and the head waited out the whole 30 s timeout at each stop.
+        head_env = {**self.env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
         self.log = open(tmp / f"head-{self.port}.log", "w")
         self.process = subprocess.Popen(
             [RAY, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={self.port}",
@@ -63,7 +66,7 @@ class Head:
              *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                       "runtime-env-agent-port", "metrics-export-port",
                                                       "ray-client-server-port"))],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=head_env)
         deadline = time.monotonic() + 90
         while subprocess.run([RAY, "job", "list"], env=self.env, capture_output=True).returncode != 0:
             assert self.process.poll() is None and time.monotonic() < deadline, "the head did not start"
@@ -92,8 +95,8 @@ class Head:
 
     def begin_stop(self):
         """Several heads stop together: each drains for seconds, and one after the other cost their sum."""
-        # SIGTERM to `ray start` alone: it drains the node through its GCS, then stops its processes (~3 s). To
-        # the whole group, the GCS died first and the drain waited for it until its timeout (33-60 s per head).
+        # SIGTERM to `ray start` alone: it stops its processes in order (seconds). To the whole group, the GCS
+        # died first and the head waited for it until a timeout (33-60 s per head).
         self.process.send_signal(signal.SIGTERM)
 
     def finish_stop(self):
@@ -174,6 +177,19 @@ def job_status(head: Head, job_id: str) -> str:
     return done.stdout + done.stderr
 
 
+def readme_job_flags() -> list[str]:
+    """The flags of the README's first `ray job submit … python jobs/train.py` command (its continuation lines
+    joined, the comment after it dropped)."""
+    readme = (ROOT / "README.md").read_text().split("### On a Ray cluster with `ray job submit`", 1)[1]
+    command = readme.split("-- python jobs/train.py", 1)[1].split("\n")
+    text = ""
+    for line in command:
+        text += " " + line.split("#", 1)[0].strip().rstrip("\\")
+        if not line.split("#", 1)[0].rstrip().endswith("\\"):
+            break
+    return text.split()
+
+
 def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_same_model(tmp_path):
     """The README's job flow: the same job submitted while the first runs is refused (one driver per region);
     `ray job stop` mid-run ends the run at the next outer step with a checkpoint and `stopped: true`; the same
@@ -184,8 +200,8 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
     head = Head(4, tmp_path)  # the README: `ray start --head --num-cpus 4`
     try:
         clone, storage = repository_copy(tmp_path), head.home / "ray_diloco_results"
-        # The README's command, flag for flag.
-        flags = ["--regions", "2", "--run-name", "first", "--checkpoint-every", "2", "--outer-steps", "4"]
+        flags = readme_job_flags()  # the README's command, flag for flag
+        assert flags[flags.index("--run-name") + 1] == "first" and flags[flags.index("--outer-steps") + 1] == "5"
         started = head.submit(clone, "--no-wait", *flags, cli_args_first=True)
         assert started.returncode == 0, started.stdout[-3000:]
         job_id = started.stdout.split("raysubmit_", 1)[1].split()[0].strip("'\"")
@@ -197,11 +213,11 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
         assert again.returncode != 0, again.stdout[-3000:]
         assert "ray-diloco: error: region region-a is run by another driver" in again.stdout, again.stdout[-3000:]
         assert "Traceback" not in again.stdout, again.stdout[-3000:]
-        wait_for_log(head, job_id, "outer step 1/4 synced", timeout=300)
+        wait_for_log(head, job_id, "outer step 1/5 synced", timeout=300)
         stop = subprocess.run([RAY, "job", "stop", job_id], env=head.env, capture_output=True, text=True, timeout=400)
         assert stop.returncode == 0 and "was stopped" in job_status(head, job_id), stop.stdout[-2000:] + stop.stderr
         first = json.loads((storage / "first" / "summary.json").read_text())
-        assert first["stopped"] and 1 <= max(r["outer_step"] for r in first["rounds"]["region-a"]) + 1 < 4
+        assert first["stopped"] and 1 <= max(r["outer_step"] for r in first["rounds"]["region-a"]) + 1 < 5
 
         (clone / "ray_diloco" / "__init__.py").write_text(  # any edit: Ray uploads a new package
             (clone / "ray_diloco" / "__init__.py").read_text() + "\n# edited between the two submits\n")
@@ -218,8 +234,8 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
     import ray
 
     try:
-        assert main(["train", "--regions", "2", "--checkpoint-every", "2", "--outer-steps", "4", "--run-name", "whole",
-                     "--output-dir", str(storage)]) == 0
+        whole_flags = [("whole" if previous == "--run-name" else flag) for previous, flag in zip([""] + flags, flags)]
+        assert main(["train", *whole_flags, "--output-dir", str(storage)]) == 0
     finally:
         ray.shutdown()
     whole = json.loads((storage / "whole" / "summary.json").read_text())
