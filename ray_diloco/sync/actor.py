@@ -331,8 +331,9 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 self._running_round = None
                 pending.done.set()
                 self._rounds.pop(outer_step, None)
-        # The last rank in may first wait for the overlapped round in flight, then run this one.
-        await asyncio.wait_for(pending.done.wait(), timeout=2 * self._await_bound())
+        # The last rank in may first wait for the overlapped round in flight, then run this one: each is abandoned
+        # after the bound (the slack: the others handed in before the last rank, and their clock started then).
+        await asyncio.wait_for(pending.done.wait(), timeout=2 * self._await_bound() + 120.0)
         if pending.error is not None:
             raise pending.error
         return pending.reached, to_wire(rows_for_rank(pending.new_global, world_size, rank)), pending.stop
@@ -356,7 +357,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         delta = pseudo_gradient(base, local)
         if not self._overlaps(delta):
             self.base = None
-            new_global = await self._round(workers_step, pending, local, delta)
+            new_global = await self._blocking_round(workers_step, pending, local, delta)
             self._handed_back = time.perf_counter()
             return new_global, self.outer.step_count
         newest = self.outer.global_state()
@@ -366,6 +367,29 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         self._in_flight = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
         self._handed_back = time.perf_counter()
         return self.base, self.workers_step
+
+    async def _blocking_round(self, workers_step: int, pending: PendingRound, local: dict, delta: dict) -> dict:
+        """The round of these shards, abandoned after the bound: then its workers go on from θ_global as it is (the
+        outer step they were at, unless the round had applied its step already) and the region catches up at its
+        next round. A hung round (a DHT call that never returns) so costs that round, never the group: raising
+        here fails every rank, a Ray Train failure, and repeated slow rounds would use up run.max_failures."""
+        round_ = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
+        try:
+            return await asyncio.wait_for(asyncio.shield(round_), timeout=self._await_bound())
+        except asyncio.TimeoutError:
+            self._cancel_round(round_)
+            self.record_event("round_abandoned", workers_step=workers_step, outer_step=self.outer.step_count,
+                              waited_seconds=round(self._await_bound(), 1))
+            with self._state_lock:
+                return {name: t.clone() for name, t in self.outer.global_state().items()}
+
+    def _cancel_round(self, round_: asyncio.Future) -> None:
+        """Cancel a round still running; what it still runs in an executor thread sees the new generation and
+        changes nothing (`_check_current`, `_set_state`)."""
+        if not round_.done():
+            with self._state_lock:
+                self._generation += 1
+            round_.cancel()
 
     def _overlaps(self, delta: dict[str, torch.Tensor]) -> bool:
         """Whether this round may run while the workers train on: `policy.may_overlap`."""
@@ -399,9 +423,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         the next round re-syncs if the others moved on), never the group that restarts meanwhile."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not in_flight.done():
-            with self._state_lock:
-                self._generation += 1
-            in_flight.cancel()
+            self._cancel_round(in_flight)
             self.record_event("overlapped_round_abandoned", outer_step=self.outer.step_count,
                               waited_seconds=round(self._await_bound(), 1))
 
