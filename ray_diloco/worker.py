@@ -228,14 +228,18 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             sync_seconds_total += last_sync_seconds
             if reached != outer_step + 1:  # the SyncActor re-synced to the run's (later) outer step
                 inner_step.align(reached * H)
+            abandoned = reached == outer_step  # the round did not end in time: this window's Δ is lost
             if rank == 0:
                 last_round = ray.get(sync_actor.last_round.remote())
                 peers = str(last_round.get("group_size", peers))
-                status(sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round))
+                status(f"[{region}] outer step {reached + 1}/{cfg.run.outer_steps}: the round was abandoned after "
+                       f"{last_sync_seconds:.0f}s; training the window again" if abandoned else
+                       sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round))
             outer_step = reached
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
-            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop):
+            # An abandoned round's step is checkpointed already where it is due (unless the run stops there now).
+            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop) and (stop or not abandoned):
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)

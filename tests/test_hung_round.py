@@ -10,6 +10,7 @@ the others at its next round (re-sync). Real SyncActors, Hivemind and state shar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 from ray_diloco.sharding import from_wire
@@ -20,8 +21,12 @@ from test_sync_actor import MM, config, trained
 BOUND = 4.0  # the actor's bound cut to seconds (it is minutes: max_wait, the averaging timeout, downloads)
 
 
-def test_a_hung_round_is_abandoned_after_the_bound_and_the_region_catches_up_at_its_next_round(tmp_path):
-    cfg = config(tmp_path, "hung", [1, 1], matchmaking_seconds=MM, outer_steps=3)
+@contextlib.contextmanager
+def hung_region(tmp_path, name: str, hang_seconds: float):
+    """Regions r0 and r1 (real SyncActors and Hivemind in this process) where r0's DHT reads do not answer until
+    the test sets `released` (or `hang_seconds` pass: bounded, so a test also ends before the fix), and r0's bound is
+    BOUND. Yields (r0, r1, released, r0's own read of the records)."""
+    cfg = config(tmp_path, name, [1, 1], matchmaking_seconds=MM, outer_steps=3)
     cfg["outer"]["max_wait_seconds"] = 3.0
     a = SyncActorImpl(cfg, "r0")
     b = None
@@ -29,14 +34,19 @@ def test_a_hung_round_is_abandoned_after_the_bound_and_the_region_catches_up_at_
     try:
         b = SyncActorImpl(cfg, "r1", initial_peers=a.multiaddrs())
         a._await_bound = lambda: BOUND  # a test seam: the formula's constant part alone is a minute
-        before = a.digest()
         read_records = a.sharer.records
+        a.sharer.records = lambda *args, **kwargs: released.wait(hang_seconds) and read_records(*args, **kwargs)
+        yield a, b, released, read_records
+    finally:
+        released.set()
+        for actor in (b, a):
+            if actor is not None:
+                actor.shutdown()
 
-        def hang(*args, **kwargs):  # the DHT read that never answers (until the test lets it)
-            released.wait(30)  # (a hang to a bound of 4 s; bounded, so that the test ends before the fix too)
-            return read_records(*args, **kwargs)
 
-        a.sharer.records = hang
+def test_a_hung_round_is_abandoned_after_the_bound_and_the_region_catches_up_at_its_next_round(tmp_path):
+    with hung_region(tmp_path, "hung", hang_seconds=30) as (a, b, released, read_records):
+        before = a.digest()
 
         async def scenario():  # one event loop: asyncio.run would wait for the hung thread at its end
             first = await asyncio.gather(asyncio.wait_for(a.exchange(0, 0, 1, trained(a, 10), tokens=1000), 60),
@@ -44,20 +54,40 @@ def test_a_hung_round_is_abandoned_after_the_bound_and_the_region_catches_up_at_
             seen = ([e for e in a.events if e["event"] == "round_abandoned"], list(a.history), a.tokens)
             a.sharer.records = read_records
             released.set()
-            # a's next window: it is a round behind b, takes b's state and goes on.
-            again = await asyncio.wait_for(a.exchange(0, 0, 1, trained(a, 12), tokens=1000), 60)
+            del a._await_bound  # the real bound again: the next round's rendezvous and re-sync take seconds
+            # a's next window: it is a round behind b, takes b's state and averages alone (b trains no more).
+            again = await asyncio.wait_for(a.exchange(0, 0, 1, trained(a, 12), tokens=1000), 120)
             return first, seen, again
 
         ((step_a, rows_a, stop_a), (step_b, _, _)), (abandoned, *counted), (step_again, _, _) = asyncio.run(scenario())
-    finally:
-        released.set()
-        for actor in (b, a):
-            if actor is not None:
-                actor.shutdown()
     assert step_b == 1 and b.last_round()["group_size"] == 1  # b went alone: a never came
     # a's round was abandoned: the outer step and θ_global are those its workers had, and they go on from them.
     assert (step_a, stop_a) == (0, False) and len(abandoned) == 1 and abandoned[0]["workers_step"] == 0, a.events
     assert state_digest(from_wire(rows_a)) == before
     assert counted == [[], 0]  # nothing of that round counted
     resync = [e for e in a.events if e["event"] == "resync"]
-    assert resync and resync[0]["to_step"] == 1 and step_again >= 1, a.events
+    assert resync and resync[0]["to_step"] == 1 and step_again == 2, a.events
+    assert [r["outer_step"] for r in a.history] == [1] and a.tokens == 1000  # the round after, counted
+
+
+def test_rounds_abandoned_one_after_the_other_end_in_an_error_for_ray_train_to_handle(tmp_path):
+    """A DHT that stays hung: after ABANDONED_ROUNDS_LIMIT rounds in a row the exchange raises to the workers (Ray
+    Train restarts the group, run.max_failures counts it) instead of training the same window for ever."""
+    from ray_diloco.sync.actor import ABANDONED_ROUNDS_LIMIT
+
+    with hung_region(tmp_path, "hung-on", hang_seconds=60) as (a, _, released, _):
+        async def windows():
+            steps = []
+            for window in range(ABANDONED_ROUNDS_LIMIT):
+                try:
+                    steps.append((await a.exchange(0, 0, 1, trained(a, window), tokens=1000))[0])
+                except RuntimeError as error:
+                    steps.append(str(error))
+            released.set()
+            return steps
+
+        steps = asyncio.run(windows())
+    assert steps[:-1] == [0] * (ABANDONED_ROUNDS_LIMIT - 1), steps
+    assert f"{ABANDONED_ROUNDS_LIMIT} rounds in a row did not end" in steps[-1], steps
+    assert [e["in_a_row"] for e in a.events if e["event"] == "round_abandoned"] == list(
+        range(1, ABANDONED_ROUNDS_LIMIT + 1))

@@ -201,7 +201,7 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
     try:
         clone, storage = repository_copy(tmp_path), head.home / "ray_diloco_results"
         flags = readme_job_flags()  # the README's command, flag for flag
-        assert flags[flags.index("--run-name") + 1] == "first" and flags[flags.index("--outer-steps") + 1] == "5"
+        assert flags[flags.index("--run-name") + 1] == "first" and flags[flags.index("--outer-steps") + 1] == "6"
         started = head.submit(clone, "--no-wait", *flags, cli_args_first=True)
         assert started.returncode == 0, started.stdout[-3000:]
         job_id = started.stdout.split("raysubmit_", 1)[1].split()[0].strip("'\"")
@@ -213,11 +213,11 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
         assert again.returncode != 0, again.stdout[-3000:]
         assert "ray-diloco: error: region region-a is run by another driver" in again.stdout, again.stdout[-3000:]
         assert "Traceback" not in again.stdout, again.stdout[-3000:]
-        wait_for_log(head, job_id, "outer step 1/5 synced", timeout=300)
+        wait_for_log(head, job_id, "outer step 1/6 synced", timeout=300)
         stop = subprocess.run([RAY, "job", "stop", job_id], env=head.env, capture_output=True, text=True, timeout=400)
         assert stop.returncode == 0 and "was stopped" in job_status(head, job_id), stop.stdout[-2000:] + stop.stderr
         first = json.loads((storage / "first" / "summary.json").read_text())
-        assert first["stopped"] and 1 <= max(r["outer_step"] for r in first["rounds"]["region-a"]) + 1 < 5
+        assert first["stopped"] and 1 <= max(r["outer_step"] for r in first["rounds"]["region-a"]) + 1 < 6
 
         (clone / "ray_diloco" / "__init__.py").write_text(  # any edit: Ray uploads a new package
             (clone / "ray_diloco" / "__init__.py").read_text() + "\n# edited between the two submits\n")

@@ -64,6 +64,10 @@ logger = logging.getLogger(__name__)
 # Every other event is something a user may need to act on, at WARNING.
 ROUTINE_EVENTS = frozenset({"hivemind_started", "peer_connected", "dht_recovered", "resumed", "group_resized"})
 REPORTED_PEERS = 64  # refused (peer, what) pairs reported as events; the rest are counted
+# Rounds abandoned one after the other before the region gives up on them (raises to its workers: Ray Train's
+# failure handling, run.max_failures, takes over). A DHT that stays hung would otherwise keep the region training
+# the same window for ever, each abandoned round leaving a thread blocked.
+ABANDONED_ROUNDS_LIMIT = 3
 
 
 class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
@@ -163,6 +167,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         # Bumped when a round is abandoned: its executor threads (rendezvous, loads, settling) run on, but may
         # change nothing after that (Membership checks it before each step and under _state_lock).
         self._generation = 0
+        self._abandoned_in_a_row = 0  # blocking rounds abandoned since the last one that ended (ABANDONED_ROUNDS_LIMIT)
         self._handed_back = self._round_ended = time.perf_counter()  # the workers' last start, the last round's end
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
@@ -246,8 +251,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         outer step when one is committed. A round being applied finishes first, so a worker never takes θ_N
         while the actor moves to θ_{N+1} (its next Δ would be computed against the wrong base)."""
         running = self._running_round
-        if running is not None:
-            await asyncio.wait_for(running.wait(), timeout=self._await_bound())
+        if running is not None:  # the round in flight ends first, then this one: each within the bound
+            await asyncio.wait_for(running.wait(), timeout=2 * self._await_bound() + 60.0)
         try:  # an overlapped round in flight ends first; the new group starts from θ_global (its drift is gone)
             await self._finish_in_flight()
         except asyncio.TimeoutError:  # still running: it must not move θ_global under the new group
@@ -266,10 +271,10 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 "worker_checkpoint": worker_checkpoint}
 
     def _await_bound(self) -> float:
-        """How long `resume_state` waits for the round being applied: its other ranks arrive within seconds; the
+        """How long a round may take before it is given up: its other ranks arrive within seconds; the
         rendezvous and the settling after the last round each by max_wait plus one download, with a load of up to
-        two downloads begun just before; the all-reduce by the averaging timeout. `exchange` waits twice this for
-        its round (the round in flight ends first)."""
+        two downloads begun just before; the all-reduce by the averaging timeout. A blocking round is abandoned after
+        it (`_blocking_round`); `exchange` and `resume_state` wait twice this (the round in flight ends first)."""
         outer = self.config.outer
         return 2 * outer.max_wait_seconds + 2 * outer.averaging_timeout + 6 * self._download_seconds() + 60.0
 
@@ -373,13 +378,27 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         outer step they were at, unless the round had applied its step already) and the region catches up at its
         next round. A hung round (a DHT call that never returns) so costs that round, never the group: raising
         here fails every rank, a Ray Train failure, and repeated slow rounds would use up run.max_failures."""
+        step_before = self.outer.step_count
         round_ = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
         try:
-            return await asyncio.wait_for(asyncio.shield(round_), timeout=self._await_bound())
+            new_global = await asyncio.wait_for(asyncio.shield(round_), timeout=self._await_bound())
+            self._abandoned_in_a_row = 0
+            return new_global
         except asyncio.TimeoutError:
-            self._cancel_round(round_)
-            self.record_event("round_abandoned", workers_step=workers_step, outer_step=self.outer.step_count,
-                              waited_seconds=round(self._await_bound(), 1))
+            if self.outer.step_count != step_before:
+                # The outer step is applied (or adopted): what is left (publishing, the round's record, settling at
+                # the end) goes on as the round in flight, which the next round or a restart waits for first.
+                self._in_flight = round_
+                self.record_event("round_finishing_in_background", workers_step=workers_step,
+                                  outer_step=self.outer.step_count)
+            else:
+                self._cancel_round(round_)
+                self._abandoned_in_a_row += 1
+                self.record_event("round_abandoned", workers_step=workers_step, outer_step=self.outer.step_count,
+                                  waited_seconds=round(self._await_bound(), 1), in_a_row=self._abandoned_in_a_row)
+                if self._abandoned_in_a_row >= ABANDONED_ROUNDS_LIMIT:
+                    raise RuntimeError(f"[{self.region}] {self._abandoned_in_a_row} rounds in a row did not end within "
+                                       f"{self._await_bound():.0f} s: the region's Hivemind node does not answer")
             with self._state_lock:
                 return {name: t.clone() for name, t in self.outer.global_state().items()}
 

@@ -327,17 +327,19 @@ class Membership:
 
         poll(attempt)
 
-    def _resync_from_newer(self, own_step: int) -> str | None:
+    def _resync_from_newer(self, own_step: int, generation: int | None = None) -> str | None:
         """Run `policy.Resync` (wait up to max_wait plus one download for another region's record past `own_step`;
-        adopt the canonical one). None once adopted, else why not (`Stop.why`)."""
+        adopt the canonical one). None once adopted, else why not (`Stop.why`). `generation`: the round's (an
+        abandoned round's thread changes nothing)."""
         machine = policy.Resync(own_step=own_step, region=self.region, poll=POLL_SECONDS,
                                 give_up=time.monotonic() + self.config.outer.max_wait_seconds + self._download_seconds())
 
         def attempt() -> str | None | Again:
+            self._check_current(generation)
             # After a failed load the machine decides without records (it sleeps a poll or stops): none are read.
             action = machine.next(None if machine.load_failed else self._read_records(), time.monotonic())
             if isinstance(action, policy.Adopt):
-                loaded = self._adopt(action.record, "resync")
+                loaded = self._adopt(action.record, "resync", generation)
                 machine.loaded(loaded)
                 return None if loaded else Again(0.0)
             return Again(action.seconds) if isinstance(action, policy.Sleep) else action.why

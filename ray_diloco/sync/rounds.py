@@ -181,7 +181,7 @@ class Rounds:
     async def _skip_nonfinite_round(self, bad: int, pending: PendingRound, start: float) -> dict[str, torch.Tensor]:
         """Δ has `bad` NaN/inf values: send nothing (the others do not find this region in matchmaking and
         average without it), then adopt the newer state another region publishes. Raises if there is none."""
-        own_step = self.outer.step_count
+        own_step, generation = self.outer.step_count, self._generation
         self.record_event("nonfinite_pseudo_gradient", bad_values=bad)
         if self._published is not None and self._published.phase in (FINISHED, UNSETTLED):
             # Ended already (a re-sync reached the run's end during an overlapped round): the region's end is
@@ -191,13 +191,13 @@ class Rounds:
             await asyncio.get_running_loop().run_in_executor(None, self._set_phase_safely, OUT)
         why = "no other region holds a newer state to re-sync from (a run of one region)"
         if self.sharer is not None:
-            why = await asyncio.get_running_loop().run_in_executor(None, self._resync_from_newer, own_step)
+            why = await asyncio.get_running_loop().run_in_executor(None, self._resync_from_newer, own_step, generation)
         if why is not None:
             raise RuntimeError(f"region {self.region}: pseudo-gradient has {bad} non-finite values and {why}; "
                                "lower inner.lr or check the data")
         await asyncio.get_running_loop().run_in_executor(None, lambda: self._publish_safely(0))
         if self.outer.step_count >= self.config.run.outer_steps:  # re-synced to the run's end: settle, as a round
-            await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end)
+            await asyncio.get_running_loop().run_in_executor(None, self._settle_at_end, generation)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         # Its tokens went into no average: not counted. group_size 0: this region took part in no round.
