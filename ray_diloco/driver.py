@@ -213,8 +213,7 @@ def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], datasets: l
     return streams
 
 
-def make_trainer(cfg: ExperimentConfig, group: RegionConfig, with_sync_actor: bool, evaluator: str | None
-                 ) -> TorchTrainer:
+def make_trainer(cfg: ExperimentConfig, group: RegionConfig, evaluator: str | None) -> TorchTrainer:
     """The region's Ray Train group. Its workers find the run's actors by name (`worker.run_actors`): an actor
     handle in `train_loop_config` would make Ray Train's controller import the actor's module to unpickle it (hivemind,
     transformers: seconds of CPU and ~150 MB in a process that never calls it)."""
@@ -227,7 +226,7 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, with_sync_actor: bo
         region_train_loop,
         train_loop_config={"experiment": cfg.to_dict(), "region": group.name,
                            "namespace": ray.get_runtime_context().namespace,
-                           "sync_actor": run_actor_name("sync", cfg, group.name) if with_sync_actor else None,
+                           "sync_actor": run_actor_name("sync", cfg, group.name) if cfg.run.mode == "diloco" else None,
                            "evaluator": evaluator, "stream": run_actor_name("stream", cfg, group.name),
                            "threads_per_worker": max(1, int(group.cpus_per_worker)),
                            "worker_checkpoints": join(cfg.run.checkpoint_root(), experiment)},
@@ -357,7 +356,7 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
                                patience=2 * cfg.outer.matchmaking_seconds)
         streams = start_streams(cfg, groups, datasets, counters)
         evaluator_name = run_actor_name("eval", cfg, drivers_regions) if evaluator is not None else None
-        trainers = [make_trainer(cfg, group, actor is not None, evaluator_name) for group, actor in zip(groups, actors)]
+        trainers = [make_trainer(cfg, group, evaluator_name) for group in groups]
         if stop is not None:
             stop.start_training(actors)
         # Each fit() blocks until its group finishes; regions meet only in their SyncActors.

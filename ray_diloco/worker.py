@@ -83,9 +83,14 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def sync_status(region: str, reached: int, outer_steps: int, seconds: float, last_round: dict) -> str:
+def sync_status(region: str, reached: int, outer_steps: int, seconds: float, last_round: dict,
+                advanced: bool = True) -> str:
     """Rank 0's line after an exchange. With outer.overlap the round of this step is still running: the line
-    names the newest round that completed (none yet after the first exchange)."""
+    names the newest round that completed (none yet after the first exchange). Not `advanced`: the round was
+    abandoned (the SyncActor's bound) and the workers train the window again."""
+    if not advanced:
+        return (f"[{region}] outer step {reached + 1}/{outer_steps}: the round was abandoned after {seconds:.0f}s; "
+                "training the window again")
     if last_round.get("outer_step", -1) + 1 == reached:
         return (f"[{region}] outer step {reached}/{outer_steps} synced in {seconds:.2f}s with "
                 f"{last_round['group_size']} region(s): {', '.join(last_round['peers'])}")
@@ -228,18 +233,15 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             sync_seconds_total += last_sync_seconds
             if reached != outer_step + 1:  # the SyncActor re-synced to the run's (later) outer step
                 inner_step.align(reached * H)
-            abandoned = reached == outer_step  # the round did not end in time: this window's Δ is lost
+            advanced = reached != outer_step  # not: the round was abandoned, this window's Δ is lost
             if rank == 0:
                 last_round = ray.get(sync_actor.last_round.remote())
                 peers = str(last_round.get("group_size", peers))
-                status(f"[{region}] outer step {reached + 1}/{cfg.run.outer_steps}: the round was abandoned after "
-                       f"{last_sync_seconds:.0f}s; training the window again" if abandoned else
-                       sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round))
+                status(sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round, advanced))
             outer_step = reached
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
-            # An abandoned round's step is checkpointed already where it is due (unless the run stops there now).
-            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop) and (stop or not abandoned):
+            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop, advanced):
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)

@@ -193,6 +193,8 @@ def test_checkpoints_every_k_steps_and_where_the_run_stops():
     assert [step for step in range(1, 9) if checkpoints_at(step, 3, stopping=False)] == [3, 6]
     assert not any(checkpoints_at(step, 0, stopping=False) for step in range(1, 9))  # 0: never
     assert checkpoints_at(5, 0, stopping=True) and checkpoints_at(5, 3, stopping=True)
+    # after an abandoned round (not advanced): its step was checkpointed when due; again only where the run stops
+    assert not checkpoints_at(3, 3, stopping=False, advanced=False) and checkpoints_at(3, 3, True, advanced=False)
 
 
 @pytest.mark.parametrize("reached, every, stopping, finite, overlaps", [

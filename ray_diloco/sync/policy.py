@@ -344,11 +344,12 @@ class Resync:
 
 
 # -- the rest of a round: checkpoints, overlap, the deadline's origin, the published group ---------------------
-def checkpoints_at(reached: int, every: int, stopping: bool) -> bool:
+def checkpoints_at(reached: int, every: int, stopping: bool, advanced: bool = True) -> bool:
     """Whether a region checkpoints the state of outer step `reached` (run.checkpoint_every; 0: never): every
-    `every` steps, and wherever the run stops (started again, it continues from there). The workers and the
-    SyncActor both ask here."""
-    return stopping or bool(every and reached % every == 0)
+    `every` steps, and wherever the run stops (started again, it continues from there). Not again after a round
+    that did not advance (`advanced`: an abandoned round's step was checkpointed when it was due). The workers and
+    the SyncActor both ask here."""
+    return stopping or bool(advanced and every and reached % every == 0)
 
 
 def may_overlap(*, overlap: bool, reached: int, target: int, checkpoint_every: int, stopping: bool,
