@@ -40,6 +40,7 @@ class Rules:
     wall_clock_ready: bool = False  # (before issue 22) a record carried the wall-clock time its region was ready
     stored_finals: bool = True  # a finished region's final state stays in the run's storage (sync/durable.py)
     chase_bound: bool = True  # a rendezvous stops re-syncing at its give-up time even while adoptions succeed
+    abandon_hung_rounds: bool = True  # (before issue 22, fault 4) a hung round failed the group (Ray Train)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class Schedule:
     leave_after_finish: float | None = None  # a finished region's driver exits then: its DHT record and server go
     checkpoint_every: int = 1  # run.checkpoint_every: a crash resumes from the last multiple (and replays since)
     nonfinite: frozenset[tuple[str, int]] = frozenset()  # (region, data window) whose Δ is NaN/inf (each time it is trained)
+    # (region, data window) whose blocking round hangs, once: its Hivemind node stops answering (a DHT call that
+    # never returns; its record is no longer refreshed) until the round is given up at `policy.round_bound`
+    hangs: frozenset[tuple[str, int]] = frozenset()
+    max_failures: int = 1  # run.max_failures: a region whose group failed more often leaves the run
 
 
 @dataclass
@@ -91,6 +96,7 @@ class _Region:
     stale_base: tuple | None = None
     overlapped: tuple | None = None
     round_ended: float = 0.0
+    abandoned_in_a_row: int = 0  # the SyncActor's count (`policy.overdue_round`); a group restart keeps it
 
 
 @dataclass
@@ -107,6 +113,8 @@ class Outcome:
     sat_out: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each non-finite round
     replayed: dict[str, int] = field(default_factory=dict)  # region -> windows trained again after a crash
     stops: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it stopped at, checkpointed)
+    abandoned: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each abandoned round
+    failures: dict[str, int] = field(default_factory=dict)  # region -> its group's failures (Ray Train restarts)
 
 
 @dataclass

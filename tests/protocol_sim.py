@@ -15,9 +15,15 @@ the previous one ended, and the last round and checkpointed ones block (`policy.
 `Schedule.checkpoint_every` (run.checkpoint_every): a crashed region resumes from its last checkpoint and trains
 the windows since then again (`Outcome.replayed`). `Schedule.nonfinite`: a region whose Δ of that window is
 NaN/inf sits the round out and re-syncs from a newer state with `policy.Resync`, or stops (`Outcome.stopped`).
+`Schedule.hangs`: a region's blocking round hangs (its Hivemind node stops answering; its record expires) until
+`policy.round_bound`, then `policy.overdue_round` abandons it (the workers go on at the same step, the region
+re-syncs at its next round: `Outcome.abandoned`) or, the third in a row, fails the group (a Ray Train restart,
+`Outcome.failures`; past `Schedule.max_failures` the region leaves the run). An overlapped round that hangs (the
+next round abandons it, `_abandon_in_flight`) is not modelled.
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
-`policy.round_arrival`, `may_overlap`, `published_group` and `checkpoints_at`; what it still re-implements is
+`policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound` and `overdue_round`; what
+it still re-implements is
 the loop that strings them together (the SyncActor's exchange, `_complete_round` and `_run_round`).
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
@@ -132,14 +138,22 @@ class Simulator(World):
             region.overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
         before_round = (region.outer.step_count, region.digest,
                         {k: v.clone() for k, v in region.outer.global_state().items()})
+        abandoned = False
         if not finite:  # as Rounds._skip_nonfinite_round: sit out, take a newer state, or stop
             if not (yield from self._sit_out(region)):
                 return True
             result = None
+        elif region.overlapped is None and (name, window) in self.hangs:  # a blocking round that hangs
+            self.hangs.discard((name, window))
+            if (yield from self._hang(region)) != policy.ABANDON:
+                return (yield from self._group_failed(region))
+            result, abandoned = None, True
         else:
             result = yield from self._rendezvous(region, arrived, delta)
         if result is False:
             return True
+        if region.overlapped is None and not abandoned:  # a blocking round that ended within its bound
+            region.abandoned_in_a_row = 0
         region.round_ended = self.now
         if result is not None:
             averaged, consistent, group, log = result
@@ -147,11 +161,44 @@ class Simulator(World):
             region.digest = state_digest(region.outer.global_state())
             self.publish(region, policy.published_group(group, consistent))
             log["after"][name] = full_key(region.outer)
-        return (yield from self._after_round(region, window, arrived, before_round))
+        return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned))
 
-    def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple):
-        """The window counted, a checkpoint where the workers take one, then the end (T reached, or a stop).
-        Returns True when the region ended."""
+    def _hang(self, region: _Region):
+        """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
+        DHT call: nothing is published or refreshed (its record expires, its state is not served) until the round
+        is given up at `policy.round_bound`. Returns `policy.overdue_round`'s action (the old rule: FAIL)."""
+        name = region.plan.name
+        if name in self.dht:
+            self.dht[name][1] = min(self.dht[name][1], self.now + self.s.ttl)
+        served = self.served.pop(name, None)
+        yield policy.round_bound(self.s.max_wait, self.s.averaging_timeout, self.download_bound())
+        if served is not None:
+            self.served[name] = served
+        self._store(name, region.incarnation)  # its node answers again: the sharer's refresh stores the record
+        if not self.rules.abandon_hung_rounds:  # the old actor: the other ranks raised, a Ray Train failure
+            return policy.FAIL
+        action, region.abandoned_in_a_row = policy.overdue_round(False, region.abandoned_in_a_row)
+        if action == policy.ABANDON:
+            self.out.abandoned.append((name, region.outer.step_count))
+        return action
+
+    def _group_failed(self, region: _Region):
+        """The workers failed with the round's error: Ray Train restarts the group (the SyncActor and its state stay;
+        the window is trained again), up to run.max_failures times; after that the region leaves the run (its driver
+        withdraws its record). Returns True when the region ended."""
+        name = region.plan.name
+        failures = self.out.failures[name] = self.out.failures.get(name, 0) + 1
+        if failures > self.s.max_failures:
+            self.out.dead[name] = f"its group failed {failures} times (run.max_failures {self.s.max_failures})"
+            self._leave(name)
+            return True
+        yield self.s.restart_seconds
+        region.round_ended = self.now
+        return False
+
+    def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool):
+        """The window counted, a checkpoint where the workers take one (not again for an abandoned round, which
+        did not advance), then the end (T reached, or a stop). Returns True when the region ended."""
         name, s = region.plan.name, self.s
         if region.outer.step_count > s.target:
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
@@ -160,7 +207,7 @@ class Simulator(World):
         # As the SyncActor: a stop asked before a blocking round ended ends the region there (an overlapped
         # round was handed back at once: the stop comes with the next round, which then blocks).
         stopping = self._stopping(region.plan) and region.overlapped is None
-        if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping):
+        if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced):
             self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
                                       dict(region.outer.momentum_state()), region.progress)
         if not self.rules.atomic_handshake and any(arrived < t <= self.now for t in region.plan.restarts):

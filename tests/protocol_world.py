@@ -39,6 +39,7 @@ class World:
         self.stored: dict[str, tuple] = {}  # region -> (final record, θ, momentum): the run's storage
         self.pending: dict[int, list[_Request]] = {}
         self.failing = set(schedule.failing_steps)
+        self.hangs = set(schedule.hangs)  # each hangs once
         self.regions: dict[str, _Region] = {}
         self.alive: dict[str, int] = {}  # region -> live incarnation (0: down)
         self.stops_served: set[str] = set()  # regions whose stop request was carried out (it comes once)

@@ -73,7 +73,7 @@ def test_a_hung_round_is_abandoned_after_the_bound_and_the_region_catches_up_at_
 def test_rounds_abandoned_one_after_the_other_end_in_an_error_for_ray_train_to_handle(tmp_path):
     """A DHT that stays hung: after ABANDONED_ROUNDS_LIMIT rounds in a row the exchange raises to the workers (Ray
     Train restarts the group, run.max_failures counts it) instead of training the same window for ever."""
-    from ray_diloco.sync.actor import ABANDONED_ROUNDS_LIMIT
+    from ray_diloco.sync.policy import ABANDONED_ROUNDS_LIMIT
 
     with hung_region(tmp_path, "hung-on", hang_seconds=60) as (a, _, released, _):
         async def windows():

@@ -237,3 +237,17 @@ def test_resync_adopts_a_newer_state_retries_a_failed_load_and_stops_after_its_b
     assert isinstance(machine.next(newer, now=101.0), Stop)
     assert isinstance(machine.next(None, now=101.0), Stop)  # the DHT unreadable past the bound
     assert machine.next(None, now=50.0) == Sleep(0.5)
+
+
+def test_an_overdue_round_finishes_in_the_background_is_abandoned_or_fails_the_workers_at_the_limit():
+    from ray_diloco.sync.policy import (ABANDON, ABANDONED_ROUNDS_LIMIT, FAIL, FINISH_IN_BACKGROUND, overdue_round,
+                                        round_bound)
+
+    assert overdue_round(applied=True, abandoned_in_a_row=2) == (FINISH_IN_BACKGROUND, 2)  # its step is applied
+    assert ABANDONED_ROUNDS_LIMIT == 3
+    assert overdue_round(applied=False, abandoned_in_a_row=0) == (ABANDON, 1)
+    assert overdue_round(applied=False, abandoned_in_a_row=1) == (ABANDON, 2)
+    assert overdue_round(applied=False, abandoned_in_a_row=2) == (FAIL, 3)  # the third in a row
+    assert overdue_round(applied=False, abandoned_in_a_row=3) == (FAIL, 4)  # and every one after, until one ends
+    # 2 rendezvous/settling waits, 2 all-reduces, 6 downloads, a minute of slack: 2·30 + 2·10 + 6·25 + 60
+    assert round_bound(max_wait=30.0, averaging_timeout=10.0, download=25.0) == 290.0

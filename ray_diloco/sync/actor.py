@@ -64,10 +64,6 @@ logger = logging.getLogger(__name__)
 # Every other event is something a user may need to act on, at WARNING.
 ROUTINE_EVENTS = frozenset({"hivemind_started", "peer_connected", "dht_recovered", "resumed", "group_resized"})
 REPORTED_PEERS = 64  # refused (peer, what) pairs reported as events; the rest are counted
-# Rounds abandoned one after the other before the region gives up on them (raises to its workers: Ray Train's
-# failure handling, run.max_failures, takes over). A DHT that stays hung would otherwise keep the region training
-# the same window for ever, each abandoned round leaving a thread blocked.
-ABANDONED_ROUNDS_LIMIT = 3
 
 
 class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
@@ -167,7 +163,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         # Bumped when a round is abandoned: its executor threads (rendezvous, loads, settling) run on, but may
         # change nothing after that (Membership checks it before each step and under _state_lock).
         self._generation = 0
-        self._abandoned_in_a_row = 0  # blocking rounds abandoned since the last one that ended (ABANDONED_ROUNDS_LIMIT)
+        self._abandoned_in_a_row = 0  # blocking rounds abandoned since the last one that ended (policy.overdue_round)
         self._handed_back = self._round_ended = time.perf_counter()  # the workers' last start, the last round's end
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
@@ -271,12 +267,10 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 "worker_checkpoint": worker_checkpoint}
 
     def _await_bound(self) -> float:
-        """How long a round may take before it is given up: its other ranks arrive within seconds; the
-        rendezvous and the settling after the last round each by max_wait plus one download, with a load of up to
-        two downloads begun just before; the all-reduce by the averaging timeout. A blocking round is abandoned after
-        it (`_blocking_round`); `exchange` and `resume_state` wait twice this (the round in flight ends first)."""
+        """How long a round may take before it is given up (`policy.round_bound`). A blocking round is abandoned
+        after it (`_blocking_round`); `exchange` and `resume_state` wait twice this (the round in flight ends first)."""
         outer = self.config.outer
-        return 2 * outer.max_wait_seconds + 2 * outer.averaging_timeout + 6 * self._download_seconds() + 60.0
+        return policy.round_bound(outer.max_wait_seconds, outer.averaging_timeout, self._download_seconds())
 
     def catch_up(self) -> int:
         """Called by the driver once every region's actor runs: a region that started before its peers, or
@@ -385,18 +379,17 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             self._abandoned_in_a_row = 0
             return new_global
         except asyncio.TimeoutError:
-            if self.outer.step_count != step_before:
-                # The outer step is applied (or adopted): what is left (publishing, the round's record, settling at
-                # the end) goes on as the round in flight, which the next round or a restart waits for first.
+            action, self._abandoned_in_a_row = policy.overdue_round(self.outer.step_count != step_before,
+                                                                    self._abandoned_in_a_row)
+            if action == policy.FINISH_IN_BACKGROUND:  # the next round or a restart waits for it first
                 self._in_flight = round_
                 self.record_event("round_finishing_in_background", workers_step=workers_step,
                                   outer_step=self.outer.step_count)
             else:
                 self._cancel_round(round_)
-                self._abandoned_in_a_row += 1
                 self.record_event("round_abandoned", workers_step=workers_step, outer_step=self.outer.step_count,
                                   waited_seconds=round(self._await_bound(), 1), in_a_row=self._abandoned_in_a_row)
-                if self._abandoned_in_a_row >= ABANDONED_ROUNDS_LIMIT:
+                if action == policy.FAIL:
                     raise RuntimeError(f"[{self.region}] {self._abandoned_in_a_row} rounds in a row did not end within "
                                        f"{self._await_bound():.0f} s: the region's Hivemind node does not answer")
             with self._state_lock:

@@ -12,7 +12,8 @@ A region's life, as the SyncActor runs it with these functions:
 4. a round with a non-finite Δ: the region sits it out (OUT) and, with `Resync`, takes `newer_state`, or stops.
 Around each round: `round_arrival` (where the others' deadline counts from), `may_overlap` (whether it runs
 while the workers train on), `published_group` (the vote its new state carries), `checkpoints_at` (whether the
-workers and the SyncActor checkpoint it). Every load is bounded by `download_seconds` (the state's size at the
+workers and the SyncActor checkpoint it), and `overdue_round` for a blocking round still running at its
+`round_bound` (a hung DHT call: finish it in the background, abandon it, or fail the workers). Every load is bounded by `download_seconds` (the state's size at the
 slowest allowed link). The SyncActor and the simulator (`tests/protocol_sim.py`) call these same functions.
 
 Records. Every region publishes one `StateRecord` in the DHT: its outer step, the digest of its θ_global, the
@@ -374,6 +375,34 @@ def published_group(group_size: int, consistent: bool) -> int:
     """The group size a region publishes with the state a round produced: a round that failed mid-way left each
     member a mix of averaged and own parts, so its state is a weak vote (`choose_canonical`): one."""
     return group_size if consistent else 1
+
+
+# -- a round that does not end ------------------------------------------------------------------------------
+# Blocking rounds abandoned in a row before the region gives up on them (fails its workers: Ray Train's failure
+# handling, run.max_failures, takes over). A DHT that stays hung would otherwise keep the region training without
+# ever averaging, each abandoned round leaving a thread blocked.
+ABANDONED_ROUNDS_LIMIT = 3
+FINISH_IN_BACKGROUND, ABANDON, FAIL = "finish in background", "abandon", "fail"
+
+
+def round_bound(max_wait: float, averaging_timeout: float, download: float) -> float:
+    """How long a round may take before it is given up: its other ranks arrive within seconds; the rendezvous and
+    the settling after the last round each by max_wait plus one download (`download`: `download_seconds` of the
+    state), with a load of up to two downloads begun just before; the all-reduce by the averaging timeout."""
+    return 2 * max_wait + 2 * averaging_timeout + 6 * download + 60.0
+
+
+def overdue_round(applied: bool, abandoned_in_a_row: int) -> tuple[str, int]:
+    """What a blocking round still running at its `round_bound` becomes, and the count of rounds abandoned in a
+    row after it. Its outer step applied (`applied`): the rest (publishing, settling) finishes in the
+    background, the next round waits for it. Not applied: abandoned — its workers go on from θ_global at the
+    step they were at, the region re-syncs at its next round (a hung DHT call so costs one round, never the
+    group) — unless it is the ABANDONED_ROUNDS_LIMIT-th in a row: then the region's Hivemind node does not
+    answer and the workers fail with the error (Ray Train's restarts, then the region leaves the run)."""
+    if applied:
+        return FINISH_IN_BACKGROUND, abandoned_in_a_row
+    in_a_row = abandoned_in_a_row + 1
+    return (FAIL if in_a_row >= ABANDONED_ROUNDS_LIMIT else ABANDON), in_a_row
 
 
 def final_state(records: list[StateRecord]) -> StateRecord | None:
