@@ -80,6 +80,7 @@ class Schedule:
     # never returns; its record is no longer refreshed) until the round is given up at `policy.round_bound`
     hangs: frozenset[tuple[str, int]] = frozenset()
     max_failures: int = 1  # run.max_failures: a region whose group failed more often leaves the run
+    split_steps: frozenset[int] = frozenset()  # outer steps whose round forms two groups (once): every other member
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Outcome:
     stops: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it stopped at, checkpointed)
     abandoned: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each abandoned round
     failures: dict[str, int] = field(default_factory=dict)  # region -> its group's failures (Ray Train restarts)
+    splits: list[int] = field(default_factory=list)  # outer steps whose round formed two groups
 
 
 @dataclass

@@ -6,7 +6,7 @@ Modelled: time (an event queue; nothing sleeps), the DHT (records that expire `t
 that fail while a region's DHT is down, publishes that fail and land with the sharer's next refresh), a state
 download (bounded, failing when its holder goes), and the averager (a group fills at the size the regions expect
 or at the end of the matchmaking window; a round may fail mid-way, leaving each member a mix of averaged and own
-parts).
+parts; two groups may form for one round, `Schedule.split_steps`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class World:
         self.pending: dict[int, list[_Request]] = {}
         self.failing = set(schedule.failing_steps)
         self.hangs = set(schedule.hangs)  # each hangs once
+        self.splitting = set(schedule.split_steps)  # each splits once
         self.regions: dict[str, _Region] = {}
         self.alive: dict[str, int] = {}  # region -> live incarnation (0: down)
         self.stops_served: set[str] = set()  # regions whose stop request was carried out (it comes once)
@@ -212,6 +213,17 @@ class World:
         if not requests:
             return
         members = sorted(requests, key=lambda r: r.region)
+        if len(members) > 1 and step in self.splitting:  # Hivemind's matchmaking formed two groups for this round
+            self.splitting.discard(step)
+            self.out.splits.append(step)
+            self._average(step, members[::2])
+            self._average(step, members[1::2])
+        else:
+            self._average(step, members)
+
+    def _average(self, step: int, members: list[_Request]) -> None:
+        """One group's all-reduce: every member gets the encoded average (or, in a round that fails mid-way, a mix
+        of it and its own parts) TRANSFER seconds later."""
         codec = get_codec(COMPRESSION)
         if len(members) == 1:
             results = {members[0].region: ({k: codec.roundtrip(v) for k, v in members[0].delta.items()}, True)}

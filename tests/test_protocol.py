@@ -4,8 +4,8 @@ Hypothesis draws schedules of 2-4 regions: window times with persistent skew and
 DHT outages (reads and publishes), worker-group restarts at any moment, departures, late joins, crashes that
 come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and resubmissions, rounds
 with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths, hosts' clocks apart
-and drifting, slow or failing state downloads, blocking rounds that hang (one, or several in a row), blocking
-and overlapped rounds (outer.overlap).
+and drifting, slow or failing state downloads, blocking rounds that hang (one, or several in a row), two groups
+formed for one round, blocking and overlapped rounds (outer.overlap).
 Over each run of today's rules:
 * agreement: every region that finishes holds step T and the same digest;
 * recovery: a consistent round with every live region leaves all of them equal;
@@ -102,9 +102,11 @@ def schedules(draw, faults: bool = True, crashes: bool = True, hung: bool = Fals
     if hang <= 1:
         who, first = draw(st.sampled_from([p.name for p in plans])), draw(st.integers(0, max(0, target - 2)))
         hangs = frozenset((who, first + k) for k in range(1 if hang == 0 else draw(st.integers(2, 3))))
+    # Two groups formed for one round (Hivemind's matchmaking split the regions ready for it).
+    split = frozenset(draw(st.lists(st.integers(0, target - 1), max_size=1))) if faults else frozenset()
     return Schedule(tuple(plans), target=target, failing_steps=failing, max_wait=MAX_WAIT,
                     matchmaking=MATCHMAKING, ttl=TTL, leave_after_finish=leave, download=download,
-                    checkpoint_every=every, nonfinite=nonfinite, hangs=hangs)
+                    checkpoint_every=every, nonfinite=nonfinite, hangs=hangs, split_steps=split)
 
 
 SLOWEST = "z"  # a region far slower than max_wait: it may miss rounds, the others must still meet
@@ -230,6 +232,8 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
         name in out.finished for name, _ in out.abandoned),
     "three hung rounds in a row failed a region's group once; it restarted and finished": lambda out: any(
         name in out.finished for name in out.failures),
+    "two groups formed for one round; their regions finished on one state": lambda out: bool(out.splits) and len(
+        out.finished) > 1,
 }
 
 
