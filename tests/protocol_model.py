@@ -53,6 +53,9 @@ class RegionPlan:
     crash_at: float | None = None  # actor and workers die; back `downtime` later from the last checkpoint
     restarts: tuple[float, ...] = ()  # the worker group restarts (Ray Train) at these times
     dht_down: tuple[tuple[float, float], ...] = ()  # intervals in which this region's DHT calls fail
+    # intervals in which its DHT reads answer with part of the records, some in an older version (the nodes that
+    # hold the others' newest values unreachable, or not yet reached by a store)
+    partial_views: tuple[tuple[float, float], ...] = ()
     cpu: str = "default"  # the kernel path of the host of its SyncActor
     clock_offset: float = 0.0  # its host's clock reads clock_offset + (1 + clock_drift) * simulated time
     clock_drift: float = 0.0
@@ -117,6 +120,7 @@ class Outcome:
     abandoned: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each abandoned round
     failures: dict[str, int] = field(default_factory=dict)  # region -> its group's failures (Ray Train restarts)
     splits: list[int] = field(default_factory=list)  # outer steps whose round formed two groups
+    partial_reads: int = 0  # records a read missed or saw in an older version (RegionPlan.partial_views)
 
 
 @dataclass

@@ -3,7 +3,8 @@ sharing servers and Hivemind's averager forming groups. The regions themselves (
 live in `protocol_sim.Simulator`, which extends this class; `World.run` starts each region's process there.
 
 Modelled: time (an event queue; nothing sleeps), the DHT (records that expire `ttl` after their region died, reads
-that fail while a region's DHT is down, publishes that fail and land with the sharer's next refresh), a state
+that fail while a region's DHT is down, partial and stale views, publishes that fail and land with the sharer's
+next refresh), a state
 download (bounded, failing when its holder goes), and the averager (a group fills at the size the regions expect
 or at the end of the matchmaking window; a round may fail mid-way, leaving each member a mix of averaged and own
 parts; two groups may form for one round, `Schedule.split_steps`).
@@ -34,6 +35,7 @@ class World:
         self._seq = 0
         self.out = Outcome()
         self.dht: dict[str, list] = {}  # region -> [record, expires_at]
+        self.previous: dict[str, StateRecord] = {}  # region -> the record its newest one replaced (stale views)
         self.served: dict[str, tuple] = {}  # region -> (step, digest, θ, momentum) as last published
         self.checkpoints: dict[str, tuple] = {}  # region -> (step, θ, momentum, progress)
         self.stored: dict[str, tuple] = {}  # region -> (final record, θ, momentum): the run's storage
@@ -111,6 +113,17 @@ class World:
     def _dht_down(self, name: str) -> bool:
         return any(a <= self.now < b for a, b in self.regions[name].plan.dht_down)
 
+    def _as_seen(self, reader: str, record: StateRecord) -> StateRecord | None:
+        """`record` as a read of `reader` sees it: in its partial views, a third of the other regions' records is
+        missing and a third is the version before (a different third from one second to the next; never its own:
+        the reader's node holds it). None: missed."""
+        if record.region == reader or not any(a <= self.now < b for a, b in self.regions[reader].plan.partial_views):
+            return record
+        view = zlib.crc32(f"{reader}/{record.region}/{int(self.now)}".encode()) % 3
+        seen = None if view == 1 else self.previous.get(record.region, record) if view == 2 else record
+        self.out.partial_reads += seen != record
+        return seen
+
     def clock(self, name: str, at: float | None = None) -> float:
         """What region `name`'s host clock reads at simulated time `at` (default: now)."""
         plan = self.regions[name].plan
@@ -119,7 +132,8 @@ class World:
     def read(self, name: str) -> list[StateRecord] | None:
         if self._dht_down(name):  # storage still answers (as Membership._read_records)
             return policy.with_stored(None, [record for record, _, _ in self.stored.values()])
-        records = [rec for rec, expires in self.dht.values() if expires > self.now]
+        records = [self._as_seen(name, rec) for rec, expires in self.dht.values() if expires > self.now]
+        records = [rec for rec in records if rec is not None]
         records = policy.with_stored(records, [record for record, _, _ in self.stored.values()])
         if self.rules.wall_clock_ready:  # the reader compared the writer's clock with its own
             records = [dataclasses.replace(r, waited=r.waited + self.clock(name) - self.clock(r.region))
@@ -133,6 +147,8 @@ class World:
         if self._dht_down(name):
             self._at(self.now + self.s.ttl / 3, lambda: self._store(name, incarnation))
             return
+        if name in self.dht and self.dht[name][0] != self.regions[name].published:
+            self.previous[name] = self.dht[name][0]
         self.dht[name] = [self.regions[name].published, float("inf")]
 
     def publish(self, region: _Region, group: int, phase: str = TRAINING) -> None:

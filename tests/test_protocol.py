@@ -1,11 +1,11 @@
 """Property tests of the outer-sync protocol over random schedules of the simulator (tests/protocol_sim.py).
 
-Hypothesis draws schedules of 2-4 regions: window times with persistent skew and spikes, mid-round failures,
-DHT outages (reads and publishes), worker-group restarts at any moment, departures, late joins, crashes that
-come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and resubmissions, rounds
-with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths, hosts' clocks apart
-and drifting, slow or failing state downloads, blocking rounds that hang (one, or several in a row), two groups
-formed for one round, blocking and overlapped rounds (outer.overlap).
+Hypothesis draws schedules of 2-4 regions: window times with persistent skew and spikes, mid-round failures, DHT
+outages (reads and publishes), partial and stale DHT views, worker-group restarts at any moment, departures, late
+joins, crashes that come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and
+resubmissions, rounds with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths,
+hosts' clocks apart and drifting, slow or failing state downloads, blocking rounds that hang (one, or several in a
+row), two groups formed for one round, blocking and overlapped rounds (outer.overlap).
 Over each run of today's rules:
 * agreement: every region that finishes holds step T and the same digest;
 * recovery: a consistent round with every live region leaves all of them equal;
@@ -58,6 +58,7 @@ def region_plans(draw, name: str, faults: bool, crashes: bool = True) -> RegionP
         crash_at=draw(st.none() | times) if crashes and draw(st.integers(0, 4)) == 0 else None,
         restarts=tuple(draw(st.lists(times, max_size=2))),
         dht_down=tuple((t, t + draw(st.floats(1.0, 40.0))) for t in draw(st.lists(times, max_size=2))),
+        partial_views=tuple((t, t + draw(st.floats(1.0, 60.0))) for t in draw(st.lists(times, max_size=1))),
         cpu=draw(st.sampled_from(["default", "avx2"])),
         clock_offset=draw(CLOCK_OFFSETS), clock_drift=draw(CLOCK_DRIFTS),
         **draw(stop_and_resubmit(times)),
@@ -234,6 +235,8 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
         name in out.finished for name in out.failures),
     "two groups formed for one round; their regions finished on one state": lambda out: bool(out.splits) and len(
         out.finished) > 1,
+    "reads missed records or saw older ones; the regions finished on one state": lambda out: bool(
+        out.partial_reads) and len(out.finished) > 1,
 }
 
 
