@@ -22,6 +22,7 @@ from ray_diloco.continuation import config_changes
 from ray_diloco.network import check_driver_ports
 from ray_diloco.run_storage import check_run_storage
 from ray_diloco.results import ResultsDir
+from ray_diloco.sync import policy
 
 logger = logging.getLogger(__name__)
 
@@ -148,23 +149,6 @@ def check_continuation(stored_yaml: str, cfg: ExperimentConfig, where: str) -> N
         logger.warning("continuing run %s with changed settings: %s", cfg.run.name, "; ".join(allowed))
 
 
-def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> dict[str, int | None]:
-    """The outer checkpoint each region resumes from. The regions still in the run are those whose newest
-    checkpoint is within one checkpoint `interval` of the newest of all (a stop lands between two regions'
-    commits at most that far apart; a region that left early holds only old steps). They resume together from
-    the newest step all of them hold, so none re-trains windows already averaged into θ_global; a region
-    not in that step (it left early) resumes from its own newest checkpoint before it and catches up from its
-    peers' state, as a joining region does. Pure: tested on its own."""
-    newest = {region: max(steps) for region, steps in committed.items() if steps}
-    if not newest:
-        return {region: None for region in committed}
-    top = max(newest.values())
-    staying = [region for region, step in newest.items() if step >= top - max(1, interval)]
-    common = set.intersection(*(set(committed[region]) for region in staying))
-    target = max(common) if common else min(newest[region] for region in staying)
-    return {region: max((s for s in steps if s <= target), default=None) for region, steps in committed.items()}
-
-
 def no_checkpoint_error(cfg: ExperimentConfig) -> ConfigError:
     return ConfigError(f"--resume: no committed checkpoint of run {cfg.run.name} under {cfg.run.checkpoint_root()}; "
                        "was it started with --checkpoint-every, and with this --run-name and --checkpoint-path?")
@@ -190,7 +174,7 @@ def resume_plan(cfg: ExperimentConfig) -> dict[str, int | None]:
 
     root = cfg.run.checkpoint_root()
     stores = {r.name: CheckpointStore(join(root, r.name)) for r in cfg.local_regions()}  # this cluster's
-    plan = choose_resume_steps({name: store.steps() for name, store in stores.items()}, cfg.run.checkpoint_every)
+    plan = policy.choose_resume_steps({name: store.steps() for name, store in stores.items()}, cfg.run.checkpoint_every)
     if all(step is None for step in plan.values()):
         if cfg.run.resume:
             raise no_checkpoint_error(cfg)

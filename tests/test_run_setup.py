@@ -14,7 +14,8 @@ from ray_diloco.config import ConfigError
 from ray_diloco.continuation import config_changes
 from ray_diloco.presets import tiny_cpu
 from ray_diloco.resources import check_fits, run_needs
-from ray_diloco.run_setup import choose_resume_steps, resume_plan, training_groups
+from ray_diloco.run_setup import resume_plan, training_groups
+from ray_diloco.sync.policy import choose_resume_steps
 
 
 def test_a_region_that_departed_early_does_not_hold_the_others_back():

@@ -4,7 +4,8 @@ when to stop. No Ray, no Hivemind: the SyncActor reads the records, asks here, a
 
 A region's life, as the SyncActor runs it with these functions:
 1. join: `join_target` — a region starting (fresh, resumed, late) takes the others' canonical state if ahead
-   (from `startup_records`: never what a region its own driver starts now stored in an earlier life);
+   (from `startup_records`: never what a region its own driver starts now stored in an earlier life); a driver
+   resuming its regions starts them from the checkpoints `choose_resume_steps` picks;
 2. each round, `Rendezvous` (a state machine: records in, one action out — publish our phase, load a state,
    sleep, or end with Run or Finish), deciding with `plan_round`;
 3. after the last round, `Settling` (deciding with `settle_at_end`), then FINISHED (or UNSETTLED, where it could
@@ -414,6 +415,23 @@ def final_state(records: list[StateRecord]) -> StateRecord | None:
 def download_seconds(state_bytes: int, mbps: float, at_least: float) -> float:
     """How long loading a state of `state_bytes` may take: its size at `mbps` Mbit/s, never less than `at_least`."""
     return max(at_least, 8.0 * state_bytes / (mbps * 1e6))
+
+
+def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> dict[str, int | None]:
+    """The outer checkpoint each region resumes from. The regions still in the run are those whose newest
+    checkpoint is within one checkpoint `interval` of the newest of all (a stop lands between two regions'
+    commits at most that far apart; a region that left early holds only old steps). They resume together from
+    the newest step all of them hold, so none re-trains windows already averaged into θ_global; a region
+    not in that step (it left early) resumes from its own newest checkpoint before it and catches up from its
+    peers' state, as a joining region does (`startup_records`, `join_target`)."""
+    newest = {region: max(steps) for region, steps in committed.items() if steps}
+    if not newest:
+        return {region: None for region in committed}
+    top = max(newest.values())
+    staying = [region for region, step in newest.items() if step >= top - max(1, interval)]
+    common = set.intersection(*(set(committed[region]) for region in staying))
+    target = max(common) if common else min(newest[region] for region in staying)
+    return {region: max((s for s in steps if s <= target), default=None) for region, steps in committed.items()}
 
 
 def startup_records(live: list[StateRecord] | None, stored: list[StateRecord],
