@@ -87,10 +87,11 @@ def sync_status(region: str, reached: int, outer_steps: int, seconds: float, las
                 advanced: bool = True) -> str:
     """Rank 0's line after an exchange. With outer.overlap the round of this step is still running: the line
     names the newest round that completed (none yet after the first exchange). Not `advanced`: the round was
-    abandoned (the SyncActor's bound) and the workers train the window again."""
+    abandoned (the SyncActor's bound): the workers train towards the same outer step again, on the next batches
+    (the abandoned window's Δ is lost, its batches are not read again)."""
     if not advanced:
         return (f"[{region}] outer step {reached + 1}/{outer_steps}: the round was abandoned after {seconds:.0f}s; "
-                "training the window again")
+                "training towards it again on the next batches")
     if last_round.get("outer_step", -1) + 1 == reached:
         return (f"[{region}] outer step {reached}/{outer_steps} synced in {seconds:.2f}s with "
                 f"{last_round['group_size']} region(s): {', '.join(last_round['peers'])}")

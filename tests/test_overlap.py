@@ -129,6 +129,9 @@ def test_the_status_line_after_an_overlapped_exchange_names_the_newest_completed
     assert "handed in" in line and "step 1 synced with 2 region(s)" in line
     assert "synced in 0.01s with 2 region(s): r0, r1" in sync_status(
         "r0", 1, 4, 0.01, {"outer_step": 0, "group_size": 2, "peers": ["r0", "r1"]})
+    # an abandoned round (not advanced): the workers stay at outer step 1 and train towards step 2 again
+    assert sync_status("r0", 1, 4, 312.4, {}, advanced=False) == (
+        "[r0] outer step 2/4: the round was abandoned after 312s; training towards it again on the next batches")
 
 
 def test_every_rank_of_a_restarting_group_gets_the_state_after_the_round_in_flight(tmp_path):
