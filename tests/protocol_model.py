@@ -40,7 +40,7 @@ class Rules:
     wall_clock_ready: bool = False  # (before issue 22) a record carried the wall-clock time its region was ready
     stored_finals: bool = True  # a finished region's final state stays in the run's storage (sync/durable.py)
     chase_bound: bool = True  # a rendezvous stops re-syncing at its give-up time even while adoptions succeed
-    abandon_hung_rounds: bool = True  # (before issue 22, fault 4) a hung round failed the group (Ray Train)
+    abandon_hung_rounds: bool = True  # (the actor before d8d263f) a hung round failed the group (Ray Train)
 
 
 @dataclass(frozen=True)

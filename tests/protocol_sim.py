@@ -23,8 +23,8 @@ next round abandons it, `_abandon_in_flight`) is not modelled.
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
 `policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound` and `overdue_round`; what
-it still re-implements is
-the loop that strings them together (the SyncActor's exchange, `_complete_round` and `_run_round`).
+it still re-implements is the loop that strings them together (the SyncActor's exchange, `_complete_round` and
+`_run_round`).
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
 swap in the old rules one at a time and show that the properties in `violations` (protocol_model.py) catch each fault.
@@ -166,7 +166,8 @@ class Simulator(World):
     def _hang(self, region: _Region):
         """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
         DHT call: nothing is published or refreshed (its record expires, its state is not served) until the round
-        is given up at `policy.round_bound`. Returns `policy.overdue_round`'s action (the old rule: FAIL)."""
+        is given up at `policy.round_bound`. Returns `policy.overdue_round`'s action (the old rule: FAIL). The hang
+        is before the outer step: a round that applied it and then hung (FINISH_IN_BACKGROUND) is not modelled."""
         name = region.plan.name
         if name in self.dht:
             self.dht[name][1] = min(self.dht[name][1], self.now + self.s.ttl)
@@ -177,7 +178,8 @@ class Simulator(World):
         self._store(name, region.incarnation)  # its node answers again: the sharer's refresh stores the record
         if not self.rules.abandon_hung_rounds:  # the old actor: the other ranks raised, a Ray Train failure
             return policy.FAIL
-        action, region.abandoned_in_a_row = policy.overdue_round(False, region.abandoned_in_a_row)
+        action, region.abandoned_in_a_row = policy.overdue_round(applied=False,
+                                                                 abandoned_in_a_row=region.abandoned_in_a_row)
         if action == policy.ABANDON:
             self.out.abandoned.append((name, region.outer.step_count))
         return action
@@ -185,11 +187,13 @@ class Simulator(World):
     def _group_failed(self, region: _Region):
         """The workers failed with the round's error: Ray Train restarts the group (the SyncActor and its state stay;
         the window is trained again), up to run.max_failures times; after that the region leaves the run (its driver
-        withdraws its record). Returns True when the region ended."""
+        withdraws its record). Only these failures are counted: the schedule's `restarts` stand for those the
+        user's run.max_failures is sized for. Returns True when the region ended."""
         name = region.plan.name
         failures = self.out.failures[name] = self.out.failures.get(name, 0) + 1
         if failures > self.s.max_failures:
             self.out.dead[name] = f"its group failed {failures} times (run.max_failures {self.s.max_failures})"
+            self.alive[name] = 0
             self._leave(name)
             return True
         yield self.s.restart_seconds

@@ -4,10 +4,10 @@ live in `protocol_sim.Simulator`, which extends this class; `World.run` starts e
 
 Modelled: time (an event queue; nothing sleeps), the DHT (records that expire `ttl` after their region died, reads
 that fail while a region's DHT is down, partial and stale views, publishes that fail and land with the sharer's
-next refresh), a state
-download (bounded, failing when its holder goes), and the averager (a group fills at the size the regions expect
-or at the end of the matchmaking window; a round may fail mid-way, leaving each member a mix of averaged and own
-parts; two groups may form for one round, `Schedule.split_steps`).
+next refresh), a state download (bounded, failing when its holder goes), and the averager (a group fills at the
+size the regions expect or at the end of the matchmaking window; a round may fail mid-way, leaving each member a
+mix of averaged and own parts; two groups may form for one round, `Schedule.split_steps`; a member left alone gets
+its own Δ back at once here, from Hivemind only after its matchmaking window).
 """
 
 from __future__ import annotations
@@ -111,13 +111,16 @@ class World:
 
     # -- the DHT --------------------------------------------------------------------------------------
     def _dht_down(self, name: str) -> bool:
-        return any(a <= self.now < b for a, b in self.regions[name].plan.dht_down)
+        return self._within(self.regions[name].plan.dht_down)
+
+    def _within(self, intervals: tuple[tuple[float, float], ...]) -> bool:
+        return any(a <= self.now < b for a, b in intervals)
 
     def _as_seen(self, reader: str, record: StateRecord) -> StateRecord | None:
         """`record` as a read of `reader` sees it: in its partial views, a third of the other regions' records is
         missing and a third is the version before (a different third from one second to the next; never its own:
         the reader's node holds it). None: missed."""
-        if record.region == reader or not any(a <= self.now < b for a, b in self.regions[reader].plan.partial_views):
+        if record.region == reader or not self._within(self.regions[reader].plan.partial_views):
             return record
         view = zlib.crc32(f"{reader}/{record.region}/{int(self.now)}".encode()) % 3
         seen = None if view == 1 else self.previous.get(record.region, record) if view == 2 else record
@@ -147,8 +150,9 @@ class World:
         if self._dht_down(name):
             self._at(self.now + self.s.ttl / 3, lambda: self._store(name, incarnation))
             return
-        if name in self.dht and self.dht[name][0] != self.regions[name].published:
-            self.previous[name] = self.dht[name][0]
+        stored, newest = self.dht.get(name, [None])[0], self.regions[name].published
+        if stored is not None and (stored.outer_step, stored.digest) != (newest.outer_step, newest.digest):
+            self.previous[name] = stored  # a stale read sees the state before (not only an older phase of it)
         self.dht[name] = [self.regions[name].published, float("inf")]
 
     def publish(self, region: _Region, group: int, phase: str = TRAINING) -> None:

@@ -44,12 +44,18 @@ def hung_region(tmp_path, name: str, hang_seconds: float):
                 actor.shutdown()
 
 
+START = {"batches": 0, "epoch": 0, "epoch_batches": 0, "windows": 0, "fingerprint": f"{0:016x}"}
+READ_ONE_BATCH = {"batches": 1, "epoch": 0, "epoch_batches": 1, "windows": 3, "fingerprint": f"{7:016x}",
+                  "start": START}  # one rank's WorkerBatches.progress() after one batch of 3 windows
+
+
 def test_a_hung_round_is_abandoned_after_the_bound_and_the_region_catches_up_at_its_next_round(tmp_path):
     with hung_region(tmp_path, "hung", hang_seconds=30) as (a, b, released, read_records):
         before = a.digest()
 
         async def scenario():  # one event loop: asyncio.run would wait for the hung thread at its end
-            first = await asyncio.gather(asyncio.wait_for(a.exchange(0, 0, 1, trained(a, 10), tokens=1000), 60),
+            first = await asyncio.gather(asyncio.wait_for(a.exchange(0, 0, 1, trained(a, 10), tokens=1000,
+                                                                     progress=READ_ONE_BATCH), 60),
                                          b.exchange(0, 0, 1, trained(b, 11), tokens=1000))
             seen = ([e for e in a.events if e["event"] == "round_abandoned"], list(a.history), a.tokens)
             a.sharer.records = read_records
@@ -65,6 +71,8 @@ def test_a_hung_round_is_abandoned_after_the_bound_and_the_region_catches_up_at_
     assert (step_a, stop_a) == (0, False) and len(abandoned) == 1 and abandoned[0]["workers_step"] == 0, a.events
     assert state_digest(from_wire(rows_a)) == before
     assert counted == [[], 0]  # nothing of that round counted
+    # but its batches were read: a group restarted now reads on after them (the sim's model: the window is consumed)
+    assert a.progress["batches"] == 1 and a.progress["windows"] == 3
     resync = [e for e in a.events if e["event"] == "resync"]
     assert resync and resync[0]["to_step"] == 1 and step_again == 2, a.events
     assert [r["outer_step"] for r in a.history] == [1] and a.tokens == 1000  # the round after, counted

@@ -385,8 +385,9 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 self._in_flight = round_
                 self.record_event("round_finishing_in_background", workers_step=workers_step,
                                   outer_step=self.outer.step_count)
-            else:
+            else:  # its batches were read: a group restarted before the next round reads on after them
                 self._cancel_round(round_)
+                self._take_progress(pending)
                 self.record_event("round_abandoned", workers_step=workers_step, outer_step=self.outer.step_count,
                                   waited_seconds=round(self._await_bound(), 1), in_a_row=self._abandoned_in_a_row)
                 if action == policy.FAIL:
@@ -448,9 +449,13 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             raise
         finally:
             self._round_ended = time.perf_counter()
+        self._take_progress(pending)
+        return new_global
+
+    def _take_progress(self, pending: PendingRound) -> None:
+        """The region's data position after the window of `pending`: where a restarted group reads on from."""
         if all(pending.progress_by_rank.values()):  # every rank's (tests may leave it out)
             self.progress = region_progress(list(pending.progress_by_rank.values()))
-        return new_global
 
     def shutdown(self) -> None:
         self._stop_compressor()

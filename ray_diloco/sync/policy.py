@@ -11,11 +11,12 @@ A region's life, as the SyncActor runs it with these functions:
 3. after the last round, `Settling` (deciding with `settle_at_end`), then FINISHED (or UNSETTLED, where it could
    not check its state): the region never changes its state again;
 4. a round with a non-finite Δ: the region sits it out (OUT) and, with `Resync`, takes `newer_state`, or stops.
-Around each round: `round_arrival` (where the others' deadline counts from), `may_overlap` (whether it runs
-while the workers train on), `published_group` (the vote its new state carries), `checkpoints_at` (whether the
-workers and the SyncActor checkpoint it), and `overdue_round` for a blocking round still running at its
-`round_bound` (a hung DHT call: finish it in the background, abandon it, or fail the workers). Every load is bounded by `download_seconds` (the state's size at the
-slowest allowed link). The SyncActor and the simulator (`tests/protocol_sim.py`) call these same functions.
+Around each round: `round_arrival` (where the others' deadline counts from), `may_overlap` (whether it runs while
+the workers train on), `published_group` (the vote its new state carries), `checkpoints_at` (whether the workers
+and the SyncActor checkpoint it), and `overdue_round` for a blocking round still running at its `round_bound` (a
+hung DHT call: finish it in the background, abandon it, or fail the workers). Every load is bounded by
+`download_seconds` (the state's size at the slowest allowed link). The SyncActor and the simulator
+(`tests/protocol_sim.py`) call these same functions.
 
 Records. Every region publishes one `StateRecord` in the DHT: its outer step, the digest of its θ_global, the
 size of the group whose round produced that state, and its phase in the round at that step (training, ready to
@@ -398,8 +399,9 @@ def overdue_round(applied: bool, abandoned_in_a_row: int) -> tuple[str, int]:
     row after it. Its outer step applied (`applied`): the rest (publishing, settling) finishes in the
     background, the next round waits for it. Not applied: abandoned — its workers go on from θ_global at the
     step they were at, the region re-syncs at its next round (a hung DHT call so costs one round, never the
-    group) — unless it is the ABANDONED_ROUNDS_LIMIT-th in a row: then the region's Hivemind node does not
-    answer and the workers fail with the error (Ray Train's restarts, then the region leaves the run)."""
+    group) — unless it is the ABANDONED_ROUNDS_LIMIT-th in a row, or any later one before a round ends: then the
+    region's Hivemind node does not answer and the workers fail with the error (Ray Train's restarts, then the
+    region leaves the run)."""
     if applied:
         return FINISH_IN_BACKGROUND, abandoned_in_a_row
     in_a_row = abandoned_in_a_row + 1
