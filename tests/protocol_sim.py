@@ -146,6 +146,8 @@ class Simulator(World):
         elif region.overlapped is None and (name, window) in self.hangs:  # a blocking round that hangs
             self.hangs.discard((name, window))
             if (yield from self._hang(region)) != policy.ABANDON:
+                if self.rules.abandon_hung_rounds:  # SyncActor.progress: the restarted group reads on after it
+                    self._consume(region, window)
                 return (yield from self._group_failed(region))
             result, abandoned = None, True
         else:
@@ -184,9 +186,14 @@ class Simulator(World):
             self.out.abandoned.append((name, region.outer.step_count))
         return action
 
+    def _consume(self, region: _Region, window: int) -> None:
+        """The window's batches were read: the region's data position moves past it."""
+        self.out.windows[region.plan.name].append(window)
+        region.progress += 1
+
     def _group_failed(self, region: _Region):
         """The workers failed with the round's error: Ray Train restarts the group (the SyncActor and its state stay;
-        the window is trained again), up to run.max_failures times; after that the region leaves the run (its driver
+        the old actor's group trained the window again), up to run.max_failures times; after that the region leaves the run (its driver
         withdraws its record). Only these failures are counted: the schedule's `restarts` stand for those the
         user's run.max_failures is sized for. Returns True when the region ended."""
         name = region.plan.name
@@ -206,8 +213,7 @@ class Simulator(World):
         name, s = region.plan.name, self.s
         if region.outer.step_count > s.target:
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
-        self.out.windows[name].append(window)
-        region.progress += 1
+        self._consume(region, window)
         # As the SyncActor: a stop asked before a blocking round ended ends the region there (an overlapped
         # round was handed back at once: the stop comes with the next round, which then blocks).
         stopping = self._stopping(region.plan) and region.overlapped is None

@@ -372,10 +372,10 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         outer step they were at, unless the round had applied its step already) and the region catches up at its
         next round. A hung round (a DHT call that never returns) so costs that round, never the group: raising
         here fails every rank, a Ray Train failure, and repeated slow rounds would use up run.max_failures."""
-        step_before = self.outer.step_count
+        step_before, bound = self.outer.step_count, self._await_bound()
         round_ = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
         try:
-            new_global = await asyncio.wait_for(asyncio.shield(round_), timeout=self._await_bound())
+            new_global = await asyncio.wait_for(asyncio.shield(round_), timeout=bound)
             self._abandoned_in_a_row = 0
             return new_global
         except asyncio.TimeoutError:
@@ -389,10 +389,10 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 self._cancel_round(round_)
                 self._take_progress(pending)
                 self.record_event("round_abandoned", workers_step=workers_step, outer_step=self.outer.step_count,
-                                  waited_seconds=round(self._await_bound(), 1), in_a_row=self._abandoned_in_a_row)
+                                  waited_seconds=round(bound, 1), in_a_row=self._abandoned_in_a_row)
                 if action == policy.FAIL:
                     raise RuntimeError(f"[{self.region}] {self._abandoned_in_a_row} rounds in a row did not end within "
-                                       f"{self._await_bound():.0f} s: the region's Hivemind node does not answer")
+                                       f"{bound:.0f} s: the region's Hivemind node does not answer")
             with self._state_lock:
                 return {name: t.clone() for name, t in self.outer.global_state().items()}
 
