@@ -83,17 +83,19 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
     joins = [e for e in joiner["events"] if e["event"] == "region_joined"]
     assert len(joins) == 1 and joins[0]["to_step"] >= 2, joiner["events"]
     joined_at = joins[0]["to_step"]
-    digests = {}
+    digests, missed = {}, []
     for region in ("r0", "r1"):
         rounds = summary["rounds"][region]
         # Every outer step is a round of the region's, but one it re-synced past: from r3's join on, a DHT read
         # may miss r3's new record in one region and not in the other, which then runs without the one still
-        # waiting for r3; that one adopts the newer state (its Δ of that window lost, the states still one).
-        # Seen once in CI (r1 re-synced past step 3, r3's join step). Before the join, no round is lost.
+        # waiting for r3; that one adopts the newer state and averages its Δ in the next round (no round of its
+        # own at that step; the states stay one). Seen once in CI (r1 re-synced past step 3, r3's join step).
+        # Before the join, no round is missed.
         resynced = [step for e in summary["events"] if e["event"] == "resync" and e["region"] == region
                     for step in range(e["from_step"], e["to_step"])]
         assert sorted([r["outer_step"] for r in rounds] + resynced) == list(range(steps)), (rounds, resynced)
-        assert all(step >= joined_at for step in resynced) and len(resynced) <= 1, resynced
+        assert all(step >= joined_at for step in resynced), resynced
+        missed += resynced
         # A round without r2 waits for it at most until its record expires (ttl = 2·matchmaking + 10 s: it is
         # live but never ready), then averages with those ready (+ the all-reduce itself). From r3's join on, a
         # round may wait for r3's workers to start (up to outer.max_wait_seconds): not bounded here.
@@ -102,6 +104,7 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
         # The last round had every live region.
         assert rounds[-1]["group_size"] == 3 and sorted(rounds[-1]["peers"]) == ["r0", "r1", "r3"], rounds
         digests[region] = {r["outer_step"]: r["digest"] for r in rounds}
+    assert len(missed) <= 1, missed  # one race with the joiner's first record, not a region left behind
     for step in digests["r0"].keys() & digests["r1"].keys():
         assert digests["r0"][step] == digests["r1"][step], step
     assert summary["eval_loss"] == summary["eval_loss"] and summary["eval_loss"] < summary["eval_loss_at_start"]

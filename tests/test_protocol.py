@@ -199,8 +199,9 @@ def test_property_skew_up_to_max_wait_averages_every_round(schedule):
 def test_a_region_whose_reads_miss_records_costs_rounds_never_the_agreement():
     """Reads that miss the others' records (a DHT node not yet reached by a store: seen once in CI, a region that had
     just joined) make the region that misses them go alone while the others wait for the one they see; they then
-    adopt its newer state. What that costs is rounds averaged without some region, never the agreement (the policy
-    docstring, Rendezvous); the same schedule with full reads averages every round with all three."""
+    adopt its newer state (and average their Δ in the next round). What that costs is rounds averaged without some
+    region, never the agreement (the policy docstring, Rendezvous); the same schedule with full reads averages
+    every round with all three."""
     def schedule(partial):
         views = ((0.0, 1e6),) if partial else ()
         return Schedule((RegionPlan("a", 30.0), RegionPlan("b", 30.0, partial_views=views), RegionPlan("c", 30.0)),

@@ -41,7 +41,8 @@ without a bound. (An adaptive deadline from observed lags was the other option: 
 guesses, and a region that joins or slows down breaks its estimate.) Reads can differ: a DHT read may miss a
 record just stored (a region that has just joined). A ready region that does not see it runs without it, while
 one that does waits for it; the first goes alone (its group does not fill) and the second, seeing the newer
-state, adopts it: that round's Δ of the second is lost, never the agreement (the simulator's partial views).
+state, adopts it and averages its Δ in the next round instead: it has no round at that step, and the two stay
+one (the simulator's partial views).
 
 No shared clock. Regions run on hosts whose clocks differ (by minutes, and drifting), so a record carries no
 time of day: a ready region publishes how long it has waited (`waited`, measured on its own monotonic clock)
