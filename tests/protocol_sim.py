@@ -193,9 +193,9 @@ class Simulator(World):
 
     def _group_failed(self, region: _Region):
         """The workers failed with the round's error: Ray Train restarts the group (the SyncActor and its state stay;
-        the old actor's group trained the window again), up to run.max_failures times; after that the region leaves the run (its driver
-        withdraws its record). Only these failures are counted: the schedule's `restarts` stand for those the
-        user's run.max_failures is sized for. Returns True when the region ended."""
+        the old actor's group trained the window again), up to run.max_failures times; after that the region leaves
+        the run (its driver withdraws its record). Only these failures are counted: the schedule's `restarts` stand
+        for those the user's run.max_failures is sized for. Returns True when the region ended."""
         name = region.plan.name
         failures = self.out.failures[name] = self.out.failures.get(name, 0) + 1
         if failures > self.s.max_failures:

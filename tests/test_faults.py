@@ -54,9 +54,9 @@ def test_worker_killed_inside_a_region_restarts_and_the_run_finishes(local_ray, 
 def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_live_region(local_ray, tmp_path):
     """Regions come and go in one run (one run for both: each costs minutes of CI). Of three regions, r2 is killed
     after outer step 1: r0 and r1 finish every outer step (from the join on, one may be re-synced past: see below),
-    agree bit for bit, no round waits longer than r2's record lives, and no process of the run outlives it. After outer step 2 a region r3 joins, configured as a run of its own
-    (as from another Ray cluster) that knows one peer: it loads θ_global from its peers over Hivemind (bit-identical)
-    and takes part in the following rounds."""
+    agree bit for bit, no round waits longer than r2's record lives, and no process of the run outlives it. After
+    outer step 2 a region r3 joins, configured as a run of its own (as from another Ray cluster) that knows one
+    peer: it loads θ_global from its peers over Hivemind (bit-identical) and takes part in the following rounds."""
     matchmaking, steps = 15.0, 12  # steps: the run still going when the joiner has started (a minute or more)
     cfg = small_run(tmp_path / "first", "come-and-go", workers=[1, 1, 1], inner_steps=3, outer_steps=steps,
                     matchmaking_seconds=matchmaking, max_failures=0)
