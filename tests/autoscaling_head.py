@@ -1,0 +1,183 @@
+"""A Ray head with Ray's own autoscaler, on this machine: `ray start --head --block --autoscaling-config=…` with the
+fake multi-node node provider, extended with what a cloud does at a preemption (tests/preemptible_provider.py;
+the provider is the one `ray.cluster_utils.AutoscalingCluster` drives, but that class runs
+`ray stop --force`, which would stop every Ray on the machine, so the head is started here the same way, in a
+process group of its own, and stopped by it). The autoscaler starts worker nodes of one type, labelled with a
+region, when tasks and actors ask for more than the cluster has (Ray Train's elastic policy asks for its group's
+largest size), and terminates the nodes that stay idle, as on a cloud. A preemption is `drain` (the cloud's
+notice: reason PREEMPTION and a deadline), then `kill_node` at the deadline; `withhold_capacity` makes launches
+wait, as a zone out of spot instances does.
+
+Token authentication is off on this head (`RAY_AUTH_MODE=disabled`): it listens on this machine only, and the
+autoscaler's nodes join without the token a head of the README's would require (tests/test_job_submit.py covers
+that path)."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+RAY = str(Path(sys.executable).with_name("ray"))
+HEAD_NODE_ID = "f" * 51 + "00000"  # the fake provider's name for the head
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def autoscaling_config(port: int, head_cpus: int, node_type: str, node_cpus: int, labels: dict[str, str],
+                       min_nodes: int, max_nodes: int, idle_minutes: float, no_capacity_file: Path) -> dict:
+    """The cluster config of Ray's fake multi-node provider: the head, and worker nodes of `node_type`."""
+    return {
+        "cluster_name": "ray-diloco-test", "max_workers": max_nodes,
+        "provider": {"type": "external", "module": "preemptible_provider.PreemptibleFakeProvider",
+                      "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}",
+                     "no_capacity_file": str(no_capacity_file)},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0},
+            node_type: {"resources": {"CPU": node_cpus}, "labels": labels, "node_config": {},
+                        "min_workers": min_nodes, "max_workers": max_nodes}},
+        "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0, "idle_timeout_minutes": idle_minutes,
+        "docker": {}, "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "rsync_exclude": [], "rsync_filter": []}
+
+
+class AutoscalingHead:
+    def __init__(self, tmp: Path, head_cpus: int, node_type: str, node_cpus: int, labels: dict[str, str],
+                 min_nodes: int, max_nodes: int, idle_minutes: float):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.no_capacity_file = tmp / f"no-capacity-{self.port}"
+        config = tmp / "autoscaling.json"
+        config.write_text(json.dumps(autoscaling_config(self.port, head_cpus, node_type, node_cpus, labels,
+                                                        min_nodes, max_nodes, idle_minutes, self.no_capacity_file)))
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.env.update(RAY_AUTH_MODE="disabled", RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
+                        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+                        # The autoscaler (the head's monitor process) imports tests/preemptible_provider.py.
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                 os.environ.get("PYTHONPATH")])))
+        self.log_path = tmp / f"autoscaling-head-{self.port}.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            [RAY, "start", "--head", "--block", f"--autoscaling-config={config}", f"--num-cpus={head_cpus}",
+             f"--port={self.port}", f"--dashboard-port={free_port()}", "--disable-usage-stats",
+             # Ports of their own: a second Ray on the machine must not take this head's (tests/test_job_submit.py)
+             *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                      "runtime-env-agent-port", "metrics-export-port",
+                                                      "ray-client-server-port"))],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        try:
+            deadline = time.monotonic() + 180
+            while subprocess.run([RAY, "status", f"--address={self.address}"], env=self.env,
+                                 capture_output=True).returncode != 0:
+                assert self.process.poll() is None and time.monotonic() < deadline, \
+                    self.log_path.read_text()[-3000:]
+                time.sleep(2)
+        except BaseException:
+            self.stop()  # a head that did not come up leaves nothing behind
+            raise
+
+    def worker_nodes(self) -> list[dict]:
+        """The alive nodes the autoscaler started (this process must be connected to the head)."""
+        return [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != HEAD_NODE_ID]
+
+    def drain(self, node_id: str, deadline_seconds: int) -> None:
+        """A preemption notice for `node_id`: drained with reason PREEMPTION, to be gone in `deadline_seconds`."""
+        subprocess.run([RAY, "drain-node", f"--address={self.address}", f"--node-id={node_id}",
+                        "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot instance preempted (test)",
+                        f"--deadline-remaining-seconds={deadline_seconds}"], env=self.env, check=True,
+                       capture_output=True)
+
+    def withhold_capacity(self, withheld: bool) -> None:
+        """While withheld, the cloud has no instance to give: the autoscaler's launches wait."""
+        if withheld:
+            self.no_capacity_file.touch()
+        else:
+            self.no_capacity_file.unlink(missing_ok=True)
+
+    def kill_node(self, node_id: str) -> None:
+        """What a cloud does at a preemption's deadline: the node's processes end at once (SIGKILL), and the node
+        provider no longer lists it (tests/preemptible_provider.py), so the autoscaler may start another."""
+        for pid in node_processes(node_id, self.process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """SIGTERM to `ray start` (it stops its processes in order), then SIGKILL to its group and to any process
+        of its session left (the autoscaler's nodes are started by its monitor)."""
+        session = re.search(r"session_\d{4}-\d\d-\d\d_[\d_-]+", self.log_path.read_text())
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self.log.close()
+        if session:
+            for pid in session_processes(session.group(0)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def session_processes(session: str) -> list[int]:
+    """Processes whose command line names the Ray session directory `session`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if session in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def node_processes(node_id: str, ancestor: int) -> list[int]:
+    """The processes of the fake provider's node `node_id` under process `ancestor` (a head): the provider starts
+    them with the node's id in their environment, which the raylet's workers inherit. Node ids repeat from one
+    head to the next, so only this head's descendants count."""
+    marker = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0") and \
+                        ancestor in ancestors(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parent, grandparent, … of `pid`, up to init."""
+    chain = []
+    while pid > 1:
+        try:
+            # The parent is the 4th field of /proc/PID/stat, counted after the command name in parentheses.
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        chain.append(pid)
+    return chain
