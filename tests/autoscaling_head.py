@@ -16,22 +16,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import ray
-
-RAY = str(Path(sys.executable).with_name("ray"))
-HEAD_NODE_ID = "f" * 51 + "00000"  # the fake provider's name for the head
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
+from conftest import RAY, descendants, free_port
 
 
 def autoscaling_config(port: int, head_cpus: int, node_type: str, node_cpus: int, labels: dict[str, str],
@@ -66,7 +57,8 @@ class AutoscalingHead:
         self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.env.update(RAY_AUTH_MODE="disabled", RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
                         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-                        # The autoscaler (the head's monitor process) imports tests/preemptible_provider.py.
+                        # The autoscaler (the head's monitor process) imports tests/preemptible_provider.py; Ray
+                        # passes the variable on to every process of the cluster, where it does nothing else.
                         PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                                  os.environ.get("PYTHONPATH")])))
         self.log_path = tmp / f"autoscaling-head-{self.port}.log"
@@ -92,7 +84,7 @@ class AutoscalingHead:
 
     def worker_nodes(self) -> list[dict]:
         """The alive nodes the autoscaler started (this process must be connected to the head)."""
-        return [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != HEAD_NODE_ID]
+        return [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != FAKE_HEAD_NODE_ID]
 
     def drain(self, node_id: str, deadline_seconds: int) -> None:
         """A preemption notice for `node_id`: drained with reason PREEMPTION, to be gone in `deadline_seconds`."""
@@ -111,15 +103,12 @@ class AutoscalingHead:
     def kill_node(self, node_id: str) -> None:
         """What a cloud does at a preemption's deadline: the node's processes end at once (SIGKILL), and the node
         provider no longer lists it (tests/preemptible_provider.py), so the autoscaler may start another."""
-        for pid in node_processes(node_id, self.process.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill(node_processes(node_id, self.process.pid))
 
     def stop(self) -> None:
-        """SIGTERM to `ray start` (it stops its processes in order), then SIGKILL to its group and to any process
-        of its session left (the autoscaler's nodes are started by its monitor)."""
+        """SIGTERM to `ray start` (it stops its processes in order), then SIGKILL to its process group (the
+        autoscaler's nodes are in it: its monitor starts them) and to any process left of its session (Ray's
+        workers leave the group)."""
         session = re.search(r"session_\d{4}-\d\d-\d\d_[\d_-]+", self.log_path.read_text())
         self.process.send_signal(signal.SIGTERM)
         try:
@@ -128,16 +117,20 @@ class AutoscalingHead:
             pass
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except OSError:
             pass
         self.process.wait()
         self.log.close()
         if session:
-            for pid in session_processes(session.group(0)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill(session_processes(session.group(0)))
+
+
+def kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone meanwhile
 
 
 def session_processes(session: str) -> list[int]:
@@ -153,31 +146,16 @@ def session_processes(session: str) -> list[int]:
     return found
 
 
-def node_processes(node_id: str, ancestor: int) -> list[int]:
-    """The processes of the fake provider's node `node_id` under process `ancestor` (a head): the provider starts
-    them with the node's id in their environment, which the raylet's workers inherit. Node ids repeat from one
-    head to the next, so only this head's descendants count."""
+def node_processes(node_id: str, head_pid: int) -> list[int]:
+    """The processes of the fake provider's node `node_id` under this head: the provider starts them with the
+    node's id in their environment, which the raylet's workers inherit. Node ids repeat from one head to the next,
+    so only this head's descendants count."""
     marker = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode()
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0") and \
-                        ancestor in ancestors(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def ancestors(pid: int) -> list[int]:
-    """The parent, grandparent, … of `pid`, up to init."""
-    chain = []
-    while pid > 1:
+    for pid in descendants(head_pid):
         try:
-            # The parent is the 4th field of /proc/PID/stat, counted after the command name in parentheses.
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-        chain.append(pid)
-    return chain
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue  # gone meanwhile
+    return found

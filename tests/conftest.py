@@ -3,16 +3,20 @@
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
 from ray_diloco.config import RegionConfig
 from ray_diloco.presets import tiny_cpu
+
+RAY = str(Path(sys.executable).with_name("ray"))  # the `ray` command of this environment
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -100,6 +104,13 @@ def wait_for(predicate, timeout, what):
             pass
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a server a test starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _parents() -> dict[int, int]:

@@ -1,12 +1,16 @@
 """Ray's fake multi-node node provider with two things a cloud does that it does not.
 
 * An instance the cloud has taken back is no longer listed. The fake provider keeps a node listed until the
-  autoscaler terminates it, and the autoscaler never terminates one whose raylet died (it counts it as a node still
-  starting), so after a preemption no replacement would ever start. Here a node whose raylet has exited (killed at
-  its preemption's deadline by tests/autoscaling_head.py) is taken off the list, as the cloud would.
+  autoscaler terminates it, and the autoscaler never terminates one whose raylet died: the provider tags its nodes
+  with the launcher's `uninitialized` status, and the autoscaler's check for lost nodes skips every node that is
+  not `up-to-date` (it shows as pending forever), so after a preemption no replacement would ever start. Here a
+  node whose raylet has exited (tests/autoscaling_head.py kills it at its preemption's deadline) is taken off the
+  list, as the cloud would take off the instance. (Any raylet that exits counts, where a cloud drops only the
+  instances it reclaimed: in these tests only a preemption ends one.)
 * Capacity can run out: after a spot preemption a zone often has no instance to give for a while. While the file
   named by the provider config's `no_capacity_file` exists, a launch waits (the autoscaler counts the node as
-  pending), and it goes on once the file is removed.
+  pending), and it goes on once the file is removed. A cloud would fail the launch at once and the autoscaler
+  would try again later; waiting is simpler and ends the same way, with the node started once there is capacity.
 """
 
 import os

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import urllib.error
 import urllib.request
 
 import pyarrow.fs as pafs
+from conftest import free_port
 
 # AWS variables that would take precedence over ours or add to them (a developer's profile, a session token, the
 # S3-only endpoint variable that outranks AWS_ENDPOINT_URL): removed for the test.
@@ -29,12 +29,6 @@ SHADOWING_VARIABLES = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"
                        "AWS_SHARED_CREDENTIALS_FILE")
 
 START_SECONDS = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class S3Server:

@@ -4,31 +4,34 @@ mid-run and joins.
 
 Region us runs on a head with Ray's own autoscaler (tests/autoscaling_head.py: the fake multi-node provider, worker
 nodes of 2 CPUs labelled `us`, at least 1 and at most 2, terminated when idle). The head has 1 CPU (SyncActor, data
-tasks), so the workers run on the autoscaler's nodes, placed by the region's label. Region eu runs beside it in a Ray
-of its own (a second `ray-diloco train --local-regions eu`), and the two meet over Hivemind through the shared
-storage's peer files (no `--initial-peers`). Ray Train's elastic policy asks for 2 workers: the autoscaler starts
-the second node and the group grows to 2. Mid-run one node is preempted as on a cloud: drained with reason
-PREEMPTION and a deadline (the notice), its processes killed at the deadline, the instance gone from the provider's
-list, and for a while no capacity to replace it (tests/preemptible_provider.py). Ray Train restarts the group from
-the last checkpoint on the 1 worker there is room for, with `run.max_failures: 0` (a preemption is not a failure).
-Once capacity returns, nothing but Ray Train's elastic policy asks for nodes: the autoscaler starts one in place of
-the lost one and the group grows back to 2 on it. Between the two, a third cluster starts (region ap, `--local-regions ap`, its own Ray) and joins from the
-others' state. After the run the autoscaler terminates the idle nodes (down to its minimum). Checks that:
+tasks), so the workers can only run on the autoscaler's nodes; the driver also gives them the region's label
+selector, which this test cannot tell apart from the head's lack of room (the v1 autoscaler ignores labels when it
+picks a node type, and there is one type). Region eu runs beside it in a Ray of its own (a second `ray-diloco train
+--local-regions eu`), and the two meet over Hivemind through the shared storage's peer files (no
+`--initial-peers`). Ray Train's elastic policy asks for 2 workers: the autoscaler starts the second node and the
+group grows to 2. Mid-run one node is preempted as on a cloud: drained with reason PREEMPTION and a deadline (the
+notice); at the deadline Ray Train ends the group, the node's processes are killed and the instance leaves the
+provider's list, and for a while there is no capacity to replace it (tests/preemptible_provider.py). Ray Train
+restarts the group from the last checkpoint on the 1 worker there is room for, with `run.max_failures: 0` (a
+preemption is not a failure). Meanwhile a third cluster starts (region ap, `--local-regions ap`, its own Ray) and
+joins from the others' state. Once capacity returns, nothing but Ray Train's elastic policy asks for nodes: the
+autoscaler starts one in place of the lost one and the group grows back to 2 on it. After the run the autoscaler
+terminates the idle node (down to its minimum of 1). Checks that:
 * the run finishes, us, eu and ap agree bit for bit at the end; ap joined (`region_joined`) at a later outer step;
-* us's workers ran on nodes labelled `us` only; the three regions read disjoint file lists;
+* us's workers ran on nodes labelled `us` only (see above: the head had no room for them); the three regions read
+  disjoint file lists;
 * summary.json's events record the resizes (`group_resized`: 2 -> 1 at the preemption, then 1 -> 2), the second
   onto a node the autoscaler started after the preemption;
 * us's data fingerprint equals that of the first N windows of its stream (N: the windows it trained on): no
   window twice and none skipped across the resizes;
 * the worker checkpoint written by 2 workers was loaded by 1 (re-sharded);
-* once the run ended, the autoscaler terminated its idle nodes.
+* once the run ended, the autoscaler terminated its idle node.
 """
 
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +39,7 @@ import ray
 import yaml
 from ray.util.state import list_workers
 from autoscaling_head import AutoscalingHead
-from conftest import RunInThread, wait_for
+from conftest import RunInThread, alive, wait_for
 from ray_diloco.batches import window_fingerprint
 from ray_diloco.checkpoint import CheckpointStore
 from ray_diloco.config import ExperimentConfig
@@ -44,7 +47,8 @@ from ray_diloco.data.pipeline import build_region_datasets
 from ray_diloco.driver import REGION_LABEL, run_training
 from ray_diloco.presets import tiny_cpu
 
-OUTER_STEPS = 9
+OUTER_STEPS = 7
+NOTICE_SECONDS = 10  # a preemption's notice: the drain's deadline
 
 
 def run_yaml(tmp_path: Path) -> Path:
@@ -123,9 +127,13 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         before = len(events_of(actor, "group_resized"))
         preempted = head.worker_nodes()[-1]["NodeID"]
         head.withhold_capacity(True)  # a zone out of spot instances: no replacement for now
-        head.drain(preempted, deadline_seconds=10)  # the cloud's notice: this node goes in 10 s
-        time.sleep(10)
-        head.kill_node(preempted)  # and at the deadline, it is gone
+        on_preempted = _worker_pids_on(actor, preempted, head.address)
+        head.drain(preempted, deadline_seconds=NOTICE_SECONDS)  # the cloud's notice: this node goes soon
+        # At the deadline Ray Train ends the group (a preemption, not a failure) and then the cloud takes the node.
+        # Killed before Ray Train has acted, its worker's end would be an ordinary failure (max_failures 0: fatal).
+        wait_for(lambda: not any(alive(pid) for pid in on_preempted), NOTICE_SECONDS + 120,
+                 "Ray Train to end the group at the preemption's deadline")
+        head.kill_node(preempted)
         wait_for(lambda: any(e["to_workers"] == 1 for e in events_of(actor, "group_resized")[before:]), 600,
                  "the group restarted with 1 worker")
         shrunk = ray.get(actor.outer_step.remote())
@@ -141,7 +149,7 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         if not ray.is_initialized():
             ray.init(address=head.address)
         # The run is over: its nodes are idle, and the autoscaler terminates them (down to its minimum of 1).
-        wait_for(lambda: len(head.worker_nodes()) == 1, 300, "the autoscaler to terminate the idle nodes")
+        wait_for(lambda: len(head.worker_nodes()) == 1, 300, "the autoscaler to terminate the idle node")
     finally:
         for process in others.values():
             if process.poll() is None:
@@ -149,13 +157,12 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         ray.shutdown()
         head.stop()
 
-    assert set(node_labels.values()) == {"us"}, node_labels  # placed by the region's label, on every node
+    assert set(node_labels.values()) == {"us"}, node_labels  # only on the autoscaler's nodes, all labelled us
     # The first node, the second (preempted), and the one the autoscaler started for the group after it.
     assert preempted in node_labels and len(node_labels) >= 3, (preempted, node_labels)
     after_preemption = [e for e in summary["events"] if e["event"] == "group_resized"][before:]
     resized = [(e["from_workers"], e["to_workers"]) for e in after_preemption]
     assert resized[:2] == [(2, 1), (1, 2)], summary["events"]
-    assert all(e["outer_step"] >= grown for e in after_preemption), after_preemption
     results = tmp_path / "out" / "elastic"
     theirs = {region: json.loads((results / f"summary-{region}.json").read_text()) for region in ("eu", "ap")}
     digests = {summary["global_digest"]["us"], *(theirs[r]["global_digest"][r] for r in theirs)}
@@ -186,6 +193,12 @@ def _note_worker_nodes(actor, node_labels: dict, address: str) -> dict:
         for worker in list_workers(address=address, filters=[("pid", "=", pid)]):
             node_labels[worker.node_id] = labels.get(worker.node_id)
     return node_labels
+
+
+def _worker_pids_on(actor, node_id: str, address: str) -> list[int]:
+    """The pids of the region's workers on node `node_id` now."""
+    return [pid for pid in ray.get(actor.worker_pids.remote()).values()
+            if any(w.node_id == node_id for w in list_workers(address=address, filters=[("pid", "=", pid)]))]
 
 
 def _actor(run: str, region: str):

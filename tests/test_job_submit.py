@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import RAY, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Head:
