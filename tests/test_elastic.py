@@ -127,7 +127,9 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         before = len(events_of(actor, "group_resized"))
         preempted = head.worker_nodes()[-1]["NodeID"]
         head.withhold_capacity(True)  # a zone out of spot instances: no replacement for now
-        on_preempted = _worker_pids_on(actor, preempted, head.address)
+        # Its worker, as Ray's state API lists it (it may lag the worker's start by a moment).
+        on_preempted = wait_for(lambda: _worker_pids_on(actor, preempted, head.address), 60,
+                                "the worker on the node to preempt")
         head.drain(preempted, deadline_seconds=NOTICE_SECONDS)  # the cloud's notice: this node goes soon
         # At the deadline Ray Train ends the group (a preemption, not a failure) and then the cloud takes the node.
         # Killed before Ray Train has acted, its worker's end would be an ordinary failure (max_failures 0: fatal).
