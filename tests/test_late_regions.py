@@ -3,10 +3,13 @@ driver that made it.
 
 Real processes: three `ray-diloco train --local-regions <region>` drivers, each with a private Ray of its own, a
 local directory standing for the bucket the clusters share.
-- a and b start together; b is late for the last round (its workers are held before the exchange of round 1
-  until a's driver has exited): a runs that round alone, finishes and its driver exits, its DHT record gone. b then
-  arrives and must end on a's final θ_global, taken from the run's storage (before: it ran the round alone and
-  finished "settled" on another state, saying nothing).
+- b starts first and a once b's SyncActor has published its peer file; b is late for the last round (its workers are
+  held before the exchange of round 1 until a's driver has exited). Started together, a loaded machine could start b
+  more than a round behind a: b then adopted a's state at its first exchange and joined round 1 in that same call,
+  never reaching the hold (seen in CI). Started first, b begins training before a, and a would have to overtake it
+  by a whole round; whoever goes alone at round 0, b's next exchange is the held one. Then a runs that round alone,
+  finishes and its driver exits, its DHT record gone. b then arrives and must end on a's final θ_global, taken from
+  the run's storage (before: it ran the round alone and finished "settled" on another state, saying nothing).
 - c's driver starts after both have finished, with a's stored final state corrupted: it must reject that one (the
   digest check), take b's (the same state), train nothing and end on the same θ_global.
 """
@@ -16,7 +19,7 @@ import json
 import torch
 import yaml
 
-from conftest import Driver, driver_env
+from conftest import Driver, driver_env, wait_for
 from ray_diloco.worker import SLOW_REGION_ENV_VAR
 
 T = 2
@@ -46,7 +49,9 @@ def test_a_late_region_and_one_started_after_the_run_take_the_final_state_from_s
     config = run_config(tmp_path)
     gate = tmp_path / "a-exited"  # b's last exchange waits for it
     env = driver_env(**{SLOW_REGION_ENV_VAR: f"b:{gate}:1"})
-    a, b = (Driver(["--config", config, "--local-regions", region], env) for region in ("a", "b"))
+    b = Driver(["--config", config, "--local-regions", "b"], env)
+    wait_for(lambda: (tmp_path / "late" / "peers" / "b.json").exists(), 300, "b's peer file")
+    a = Driver(["--config", config, "--local-regions", "a"], env)
     finish(a, timeout=400)
     gate.touch()
     out_b = finish(b, timeout=400)
