@@ -20,6 +20,8 @@ import torch
 import yaml
 
 from conftest import Driver, driver_env, wait_for
+from ray_diloco.config import ExperimentConfig
+from ray_diloco.sync.peers import read_peer_files
 from ray_diloco.worker import SLOW_REGION_ENV_VAR
 
 T = 2
@@ -50,7 +52,8 @@ def test_a_late_region_and_one_started_after_the_run_take_the_final_state_from_s
     gate = tmp_path / "a-exited"  # b's last exchange waits for it
     env = driver_env(**{SLOW_REGION_ENV_VAR: f"b:{gate}:1"})
     b = Driver(["--config", config, "--local-regions", "b"], env)
-    wait_for(lambda: (tmp_path / "late" / "peers" / "b.json").exists(), 300, "b's peer file")
+    peers = ExperimentConfig.from_yaml(open(config).read()).run.peers_dir()
+    wait_for(lambda: "b" in read_peer_files(peers, exclude="a"), 300, "b's peer file")
     a = Driver(["--config", config, "--local-regions", "a"], env)
     finish(a, timeout=400)
     gate.touch()
