@@ -56,13 +56,9 @@ def save_token(world_size: int) -> str:
 def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experiment_uri: str,
                            outer_step: int, inner_step: int, rank: int, world_size: int) -> str:
     """Every rank of the group calls this (collective); returns where the checkpoint is stored."""
-    model_state, optim_state = get_state_dict(model, optimizer)
     local = tempfile.mkdtemp(prefix="diloco-ckpt-")
     try:
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=local)
-        if rank == 0:
-            meta = {"outer_step": outer_step, "inner_step": inner_step, "world_size": world_size}
-            Path(local, META_FILE).write_text(json.dumps(meta))
+        write_worker_checkpoint(model, optimizer, local, outer_step, inner_step, rank, world_size)
         name = checkpoint_name(outer_step, save_token(world_size))
         # Uploads this rank's files and waits for the other ranks (a barrier): when it returns, Ray Train
         # has the whole checkpoint.
@@ -71,6 +67,16 @@ def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimi
     finally:
         shutil.rmtree(local, ignore_errors=True)
     return join(experiment_uri, name)
+
+
+def write_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str,
+                            outer_step: int, inner_step: int, rank: int, world_size: int) -> None:
+    """This rank's shards into `directory` (collective), and rank 0's meta: what `load_worker_checkpoint` reads."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    if rank == 0:
+        meta = {"outer_step": outer_step, "inner_step": inner_step, "world_size": world_size}
+        Path(directory, META_FILE).write_text(json.dumps(meta))
 
 
 KERNEL_FLAGS = ("fused", "foreach")  # how the optimizer steps on this machine, not part of its state

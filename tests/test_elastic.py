@@ -1,19 +1,33 @@
-"""One Ray cluster per region: an elastic region (`workers: 1..2`) on a multi-node Ray cluster that loses a node
-and gets it back, a second region in a Ray of its own, and a third that starts mid-run and joins.
+"""One Ray cluster per region: an elastic region (`workers: 1..2`) on a Ray cluster whose autoscaler starts and
+terminates its worker nodes, a node preempted mid-run, a second region in a Ray of its own, and a third that starts
+mid-run and joins.
 
-`ray.cluster_utils.Cluster` runs a head and two worker nodes on this machine (real raylets). Region us runs there
-with 2 CPUs per worker, so only the worker nodes have room for its workers (the head has 1 CPU: SyncActor, data
-tasks); region eu runs beside it in a Ray of its own (a second `ray-diloco train --local-regions eu`), and the two
-meet over Hivemind through the shared storage's peer files (no `--initial-peers`). Mid-run a worker node is removed
-(scale-in: Ray Train restarts the group with the 1 worker there is room for, from the last checkpoint) and added
-again (scale-out: Ray Train's elastic policy sees room for 2 and restarts the group bigger); between the two, a
-third cluster starts (region ap, `--local-regions ap`, its own Ray) and joins from the others' state. Checks that:
+Region us runs on a head with Ray's own autoscaler (tests/autoscaling_head.py: the fake multi-node provider, worker
+nodes of 2 CPUs labelled `us`, at least 1 and at most 2, terminated when idle). The head has 1 CPU (SyncActor, data
+tasks), so the workers can only run on the autoscaler's nodes; the driver also gives them the region's label
+selector, which this test cannot tell apart from the head's lack of room (the v1 autoscaler ignores labels when it
+picks a node type, and there is one type). Region eu runs beside it in a Ray of its own (a second `ray-diloco train
+--local-regions eu`), and the two meet over Hivemind through the shared storage's peer files (no
+`--initial-peers`). Ray Train's elastic policy asks for 2 workers: the autoscaler starts the second node and the
+group grows to 2. Mid-run one node is preempted as on a cloud: drained with reason PREEMPTION and a deadline (the
+notice); at the deadline Ray Train ends the group, the node's processes are killed and the instance leaves the
+provider's list, and for a while there is no capacity to replace it (tests/preemptible_provider.py). Ray Train
+restarts the group from the last checkpoint on the 1 worker there is room for, with `run.max_failures: 0` (a
+preemption is not a failure). Meanwhile a third cluster starts (region ap, `--local-regions ap`, its own Ray) and
+joins from the others' state. Once capacity returns, nothing but Ray Train's elastic policy asks for nodes: the
+autoscaler starts one in place of the lost one and the group grows back to 2 on it. After the run the autoscaler
+terminates the idle node (down to its minimum of 1). Checks that:
 * the run finishes, us, eu and ap agree bit for bit at the end; ap joined (`region_joined`) at a later outer step;
-* the three regions read disjoint file lists;
-* summary.json's events record both resizes (`group_resized`, 2 -> 1 and 1 -> 2, with the outer step);
+* us's workers ran on nodes labelled `us` only (see above: the head had no room for them); the three regions read
+  disjoint file lists;
+* summary.json's events record the resizes (`group_resized`: 2 -> 1 at the preemption, then 1 -> 2), the second
+  onto a node the autoscaler started after the preemption;
 * us's data fingerprint equals that of the first N windows of its stream (N: the windows it trained on): no
   window twice and none skipped across the resizes;
-* the worker checkpoint written by 2 workers was loaded by 1 (re-sharded).
+* the group restarted with 1 worker continued from the region's state: from the worker checkpoint written by 2
+  workers (re-sharded; tests/test_worker_checkpoint.py shows the re-sharding without the timing) or, where the
+  preemption fell between a round and its checkpoint, with AdamW anew, as the README says (both are events);
+* once the run ended, the autoscaler terminated its idle node.
 """
 
 import json
@@ -25,16 +39,18 @@ from pathlib import Path
 import pytest
 import ray
 import yaml
-from ray.cluster_utils import Cluster
-
-from conftest import RunInThread, wait_for
+from ray.util.state import list_workers
+from autoscaling_head import AutoscalingHead
+from conftest import RunInThread, alive, wait_for
 from ray_diloco.batches import window_fingerprint
+from ray_diloco.checkpoint import CheckpointStore
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.pipeline import build_region_datasets
-from ray_diloco.driver import run_training
+from ray_diloco.driver import REGION_LABEL, run_training
 from ray_diloco.presets import tiny_cpu
 
-OUTER_STEPS = 9
+OUTER_STEPS = 7
+NOTICE_SECONDS = 10  # a preemption's notice: the drain's deadline
 
 
 def run_yaml(tmp_path: Path) -> Path:
@@ -43,7 +59,8 @@ def run_yaml(tmp_path: Path) -> Path:
                       {"name": "ap", "workers": 1}]
     cfg["outer"].update(inner_steps=4, max_wait_seconds=240, matchmaking_seconds=5, averaging_timeout=120)
     cfg["inner"]["warmup_steps"] = 2
-    cfg["run"].update(name="elastic", outer_steps=OUTER_STEPS, checkpoint_every=1, eval_every=0, max_failures=4,
+    # max_failures 0: a preempted node must cost a resize, never one of the region's failures.
+    cfg["run"].update(name="elastic", outer_steps=OUTER_STEPS, checkpoint_every=1, eval_every=0, max_failures=0,
                       resize_check_seconds=5, output_dir=str(tmp_path / "out"),
                       checkpoint_path=str(tmp_path / "bucket"))
     path = tmp_path / "run.yaml"
@@ -83,45 +100,73 @@ def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:
 
 
 @pytest.mark.timeout(1500)
-def test_an_elastic_region_scales_in_and_out_and_trains_every_window_once(tmp_path):
+def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_trains_every_window_once(tmp_path):
     config = run_yaml(tmp_path)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    cluster.wait_for_nodes()
+    head = AutoscalingHead(tmp_path, head_cpus=1, node_type="us-cpu2", node_cpus=2, labels={REGION_LABEL: "us"},
+                           min_nodes=1, max_nodes=2, idle_minutes=0.25)
     others: dict[str, subprocess.Popen] = {}
+    node_labels: dict[str, str | None] = {}  # every node that hosted one of us's workers -> its region label
     try:
+        ray.init(address=head.address)
+        # The first node is up before the driver starts: it pins the region's workers to nodes labelled `us`.
+        wait_for(lambda: head.worker_nodes(), 300, "the autoscaler's first node")
+        ray.shutdown()
         cfg = ExperimentConfig.from_yaml(config.read_text())
         us_cfg = ExperimentConfig.from_dict({**cfg.to_dict(), "run": {**cfg.to_dict()["run"],
                                                                       "local_regions": ["us"]}})
-        run = RunInThread(lambda: run_training(us_cfg, address=cluster.address))
+        run = RunInThread(lambda: run_training(us_cfg, address=head.address))
         # Not ray.get_actor before the driver has connected: it would start a Ray of its own.
         wait_for(lambda: ray.is_initialized() and _actor("elastic", "us") is not None, 300, "us's SyncActor")
         actor = _actor("elastic", "us")
         # After us is up: a region never seen is not waited for.
         others["eu"] = start_region(config, "eu", tmp_path / "eu.log")
-        committed = tmp_path / "bucket" / "elastic" / "checkpoints" / "us" / "outer-000002" / "COMMITTED"
-        wait_for(committed.exists, 600, "us's checkpoint of outer step 2, written by 2 workers")
-        assert len(ray.get(actor.worker_pids.remote())) == 2
-        cluster.remove_node(workers.pop())  # scale-in: a node (and the worker on it) is gone
-        wait_for(lambda: events_of(actor, "group_resized"), 600, "the group restarted with 1 worker")
+        # Ray Train asks for 2 workers; the autoscaler starts the second node and the group grows to 2.
+        wait_for(lambda: len(ray.get(actor.worker_pids.remote())) == 2, 600, "the group on 2 workers")
+        grown = ray.get(actor.outer_step.remote())
+        store = CheckpointStore(str(tmp_path / "bucket" / "elastic" / "checkpoints" / "us"))
+        wait_for(lambda: (store.latest_step() or 0) > grown, 600, "a checkpoint of us's written by 2 workers")
+        _note_worker_nodes(actor, node_labels, head.address)
+        before = len(events_of(actor, "group_resized"))
+        preempted = head.worker_nodes()[-1]["NodeID"]
+        head.withhold_capacity(True)  # a zone out of spot instances: no replacement for now
+        # Its worker, as Ray's state API lists it (it may lag the worker's start by a moment).
+        on_preempted = wait_for(lambda: _worker_pids_on(actor, preempted, head.address), 60,
+                                "the worker on the node to preempt")
+        head.drain(preempted, deadline_seconds=NOTICE_SECONDS)  # the cloud's notice: this node goes soon
+        # At the deadline Ray Train ends the group (a preemption, not a failure) and then the cloud takes the node.
+        # Killed before Ray Train has acted, its worker's end would be an ordinary failure (max_failures 0: fatal).
+        wait_for(lambda: not any(alive(pid) for pid in on_preempted), NOTICE_SECONDS + 120,
+                 "Ray Train to end the group at the preemption's deadline")
+        head.kill_node(preempted)
+        wait_for(lambda: any(e["to_workers"] == 1 for e in events_of(actor, "group_resized")[before:]), 600,
+                 "the group restarted with 1 worker")
         shrunk = ray.get(actor.outer_step.remote())
         others["ap"] = start_region(config, "ap", tmp_path / "ap.log")  # a third cluster, mid-run
         wait_for(lambda: ray.get(actor.outer_step.remote()) >= shrunk + 1, 600, "a round with 1 worker")
-        workers.append(cluster.add_node(num_cpus=2))  # scale-out: room for a second worker again
-        wait_for(lambda: len(events_of(actor, "group_resized")) >= 2, 600, "the group grew back to 2 workers")
+        head.withhold_capacity(False)
+        wait_for(lambda: len(events_of(actor, "group_resized")) > before + 1, 600, "the group grew back to 2 workers")
+        wait_for(lambda: len(_note_worker_nodes(actor, node_labels, head.address)) >= 3, 120,
+                 "a worker on a node started after the preemption")
         summary = run.join(900)
         for region, process in others.items():
             assert process.wait(timeout=600) == 0, (tmp_path / f"{region}.log").read_text()[-3000:]
+        if not ray.is_initialized():
+            ray.init(address=head.address)
+        # The run is over: its nodes are idle, and the autoscaler terminates them (down to its minimum of 1).
+        wait_for(lambda: len(head.worker_nodes()) == 1, 300, "the autoscaler to terminate the idle node")
     finally:
         for process in others.values():
             if process.poll() is None:
                 process.kill()
         ray.shutdown()
-        cluster.shutdown()
+        head.stop()
 
-    resized = [(e["from_workers"], e["to_workers"]) for e in summary["events"] if e["event"] == "group_resized"]
+    assert set(node_labels.values()) == {"us"}, node_labels  # only on the autoscaler's nodes, all labelled us
+    # The first node, the second (preempted), and the one the autoscaler started for the group after it.
+    assert preempted in node_labels and len(node_labels) >= 3, (preempted, node_labels)
+    after_preemption = [e for e in summary["events"] if e["event"] == "group_resized"][before:]
+    resized = [(e["from_workers"], e["to_workers"]) for e in after_preemption]
     assert resized[:2] == [(2, 1), (1, 2)], summary["events"]
-    assert all(e["outer_step"] >= 2 for e in summary["events"] if e["event"] == "group_resized")
     results = tmp_path / "out" / "elastic"
     theirs = {region: json.loads((results / f"summary-{region}.json").read_text()) for region in ("eu", "ap")}
     digests = {summary["global_digest"]["us"], *(theirs[r]["global_digest"][r] for r in theirs)}
@@ -135,11 +180,31 @@ def test_an_elastic_region_scales_in_and_out_and_trains_every_window_once(tmp_pa
     # Every round trained H steps of 1 batch per worker; the fingerprint is of exactly the first N windows.
     assert data["windows"] >= OUTER_STEPS * 4 * cfg.data.batch_size
     assert data["fingerprint"] == first_windows_fingerprint(cfg, data["windows"])
-    # The scale-in came after a checkpoint: 1 worker loaded the AdamW state 2 wrote (re-sharded). The scale-out
-    # comes whenever Ray Train looks: it loads a checkpoint or, between a round and its checkpoint, starts the
-    # inner state anew (both are events).
-    after_scale_in = [e["event"] for e in summary["events"] if e["event"].startswith("inner_state_")]
-    assert after_scale_in[0] == "inner_state_restored", summary["events"]
+    # Each restart loads the worker checkpoint of the region's last outer step (1 worker loading what 2 wrote:
+    # re-sharded) or, when the group ended between a round and its checkpoint — the preemption's notice leaves
+    # time for a round — starts AdamW anew; which one is an event, and nothing else may follow a resize.
+    first_shrink = summary["events"].index(after_preemption[0])
+    after_scale_in = [e for e in summary["events"][first_shrink:] if e["event"].startswith("inner_state_")]
+    assert after_scale_in and {e["event"] for e in after_scale_in} <= {"inner_state_restored", "inner_state_reset"}
+    restored = [e for e in after_scale_in if e["event"] == "inner_state_restored"]
+    assert all(e["checkpoint"] for e in restored), after_scale_in
+    assert not [e for e in summary["events"] if e["event"] == "region_departed"], summary["events"]
+
+
+def _note_worker_nodes(actor, node_labels: dict, address: str) -> dict:
+    """Record the region label of each node that hosts one of the region's workers now (Ray's state API: the node
+    of each worker process); returns every node recorded so far."""
+    labels = {n["NodeID"]: n.get("Labels", {}).get(REGION_LABEL) for n in ray.nodes()}
+    for pid in ray.get(actor.worker_pids.remote()).values():
+        for worker in list_workers(address=address, filters=[("pid", "=", pid)]):
+            node_labels[worker.node_id] = labels.get(worker.node_id)
+    return node_labels
+
+
+def _worker_pids_on(actor, node_id: str, address: str) -> list[int]:
+    """The pids of the region's workers on node `node_id` now."""
+    return [pid for pid in ray.get(actor.worker_pids.remote()).values()
+            if any(w.node_id == node_id for w in list_workers(address=address, filters=[("pid", "=", pid)]))]
 
 
 def _actor(run: str, region: str):

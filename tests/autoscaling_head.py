@@ -1,0 +1,168 @@
+"""A Ray head with Ray's own autoscaler, on this machine: `ray start --head --block --autoscaling-config=…` with the
+fake multi-node node provider, extended with what a cloud does at a preemption (tests/preemptible_provider.py;
+the provider is the one `ray.cluster_utils.AutoscalingCluster` drives, but that class runs
+`ray stop --force`, which would stop every Ray on the machine, so the head is started here the same way, in a
+process group of its own, and stopped by it). The autoscaler starts worker nodes of one type, labelled with a
+region, when tasks and actors ask for more than the cluster has (Ray Train's elastic policy asks for its group's
+largest size), and terminates the nodes that stay idle, as on a cloud. A preemption is `drain` (the cloud's
+notice: reason PREEMPTION and a deadline), then `kill_node` at the deadline; `withhold_capacity` makes launches
+wait, as a zone out of spot instances does.
+
+The head takes the authentication mode of the test process, which is a client of it (the region's driver runs in
+the test): Ray turns token mode on for the whole process at its first local `ray.init` (it sets
+`RAY_AUTH_MODE=token` in `os.environ`), and leaves it off when the process has only connected to clusters. A head
+and its clients must agree: with a head without tokens and a process in token mode, the driver's own server
+refused the head's calls ("Missing authorization header") and the region's SyncActor died at once; the other way
+round, the process cannot connect. In token mode the head uses the machine's default token (`~/.ray/auth_token`,
+the one the process reads), and the autoscaler's nodes inherit the mode and read the same file."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import ray
+from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
+from conftest import RAY, descendants, free_port
+
+
+def autoscaling_config(port: int, head_cpus: int, node_type: str, node_cpus: int, labels: dict[str, str],
+                       min_nodes: int, max_nodes: int, idle_minutes: float, no_capacity_file: Path) -> dict:
+    """The cluster config of Ray's fake multi-node provider: the head, and worker nodes of `node_type`."""
+    return {
+        "cluster_name": "ray-diloco-test", "max_workers": max_nodes,
+        "provider": {"type": "external", "module": "preemptible_provider.PreemptibleFakeProvider",
+                      "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}",
+                     "no_capacity_file": str(no_capacity_file)},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0},
+            node_type: {"resources": {"CPU": node_cpus}, "labels": labels, "node_config": {},
+                        "min_workers": min_nodes, "max_workers": max_nodes}},
+        "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0, "idle_timeout_minutes": idle_minutes,
+        "docker": {}, "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "rsync_exclude": [], "rsync_filter": []}
+
+
+class AutoscalingHead:
+    def __init__(self, tmp: Path, head_cpus: int, node_type: str, node_cpus: int, labels: dict[str, str],
+                 min_nodes: int, max_nodes: int, idle_minutes: float):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.no_capacity_file = tmp / f"no-capacity-{self.port}"
+        config = tmp / "autoscaling.json"
+        config.write_text(json.dumps(autoscaling_config(self.port, head_cpus, node_type, node_cpus, labels,
+                                                        min_nodes, max_nodes, idle_minutes, self.no_capacity_file)))
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        token_mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        if token_mode:
+            subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=True)
+        self.env.update(RAY_AUTH_MODE="token" if token_mode else "disabled", RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
+                        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+                        # The autoscaler (the head's monitor process) imports tests/preemptible_provider.py; Ray
+                        # passes the variable on to every process of the cluster, where it does nothing else.
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                 os.environ.get("PYTHONPATH")])))
+        self.log_path = tmp / f"autoscaling-head-{self.port}.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            [RAY, "start", "--head", "--block", f"--autoscaling-config={config}", f"--num-cpus={head_cpus}",
+             f"--port={self.port}", f"--dashboard-port={free_port()}", "--disable-usage-stats",
+             # Ports of their own: a second Ray on the machine must not take this head's (tests/test_job_submit.py)
+             *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                      "runtime-env-agent-port", "metrics-export-port",
+                                                      "ray-client-server-port"))],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        try:
+            deadline = time.monotonic() + 180
+            while subprocess.run([RAY, "status", f"--address={self.address}"], env=self.env,
+                                 capture_output=True).returncode != 0:
+                assert self.process.poll() is None and time.monotonic() < deadline, \
+                    self.log_path.read_text()[-3000:]
+                time.sleep(2)
+        except BaseException:
+            self.stop()  # a head that did not come up leaves nothing behind
+            raise
+
+    def worker_nodes(self) -> list[dict]:
+        """The alive nodes the autoscaler started (this process must be connected to the head)."""
+        return [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != FAKE_HEAD_NODE_ID]
+
+    def drain(self, node_id: str, deadline_seconds: int) -> None:
+        """A preemption notice for `node_id`: drained with reason PREEMPTION, to be gone in `deadline_seconds`."""
+        subprocess.run([RAY, "drain-node", f"--address={self.address}", f"--node-id={node_id}",
+                        "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot instance preempted (test)",
+                        f"--deadline-remaining-seconds={deadline_seconds}"], env=self.env, check=True,
+                       capture_output=True)
+
+    def withhold_capacity(self, withheld: bool) -> None:
+        """While withheld, the cloud has no instance to give: the autoscaler's launches wait."""
+        if withheld:
+            self.no_capacity_file.touch()
+        else:
+            self.no_capacity_file.unlink(missing_ok=True)
+
+    def kill_node(self, node_id: str) -> None:
+        """What a cloud does at a preemption's deadline: the node's processes end at once (SIGKILL), and the node
+        provider no longer lists it (tests/preemptible_provider.py), so the autoscaler may start another."""
+        kill(node_processes(node_id, self.process.pid))
+
+    def stop(self) -> None:
+        """SIGTERM to `ray start` (it stops its processes in order), then SIGKILL to its process group (the
+        autoscaler's nodes are in it: its monitor starts them) and to any process left of its session (Ray's
+        workers leave the group)."""
+        session = re.search(r"session_\d{4}-\d\d-\d\d_[\d_-]+", self.log_path.read_text())
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.process.wait()
+        self.log.close()
+        if session:
+            kill(session_processes(session.group(0)))
+
+
+def kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone meanwhile
+
+
+def session_processes(session: str) -> list[int]:
+    """Processes whose command line names the Ray session directory `session`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if session in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def node_processes(node_id: str, head_pid: int) -> list[int]:
+    """The processes of the fake provider's node `node_id` under this head: the provider starts them with the
+    node's id in their environment, which the raylet's workers inherit. Node ids repeat from one head to the next,
+    so only this head's descendants count."""
+    marker = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode()
+    found = []
+    for pid in descendants(head_pid):
+        try:
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue  # gone meanwhile
+    return found

@@ -1,0 +1,95 @@
+"""A worker checkpoint written by a group of 2 loads into a group of 1 (an elastic region's scale-in), on real gloo
+ranks with FSDP2: `torch.distributed.checkpoint` re-shards the model and the inner AdamW state to the loading
+group's mesh, and the one worker ends with exactly the parameters and moments the two held between them.
+
+The end-to-end resize runs in tests/test_elastic.py, where whether the group restarts from a checkpoint or between
+a round and its checkpoint depends on when the preemption falls; this test is the re-sharding without the timing.
+"""
+
+import dataclasses
+import functools
+import io
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from conftest import run_gloo_ranks
+
+from ray_diloco.inner_step import InnerStep, shard_model
+from ray_diloco.model import build_model
+from ray_diloco.presets import tiny_cpu
+from ray_diloco.worker_checkpoint import load_worker_checkpoint, write_worker_checkpoint
+
+VOCAB = 320
+
+
+class Batch:
+    def __init__(self, batch: torch.Tensor):
+        self.batch = batch
+
+    def next(self) -> torch.Tensor:
+        return self.batch
+
+
+def _group(world: int, port: int, rank: int):
+    """A small tiny-preset model and its inner step, sharded over `world` gloo ranks."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    base = tiny_cpu()
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
+                                                              num_layers=2, num_heads=2),
+                              inner=dataclasses.replace(base.inner, precision="fp32", warmup_steps=0))
+    model = shard_model(build_model(cfg.model, VOCAB, 16, seed=0), torch.device("cpu"), world, "fp32")
+    return model, InnerStep(model, cfg, torch.device("cpu"), 0)
+
+
+def _full_state(model, optimizer) -> bytes:
+    """Every parameter and AdamW moment, unsharded, serialized (collective; rank 0's is the whole, the other
+    ranks' empty). Bytes, not tensors: a tensor on a multiprocessing queue is shared memory that the rank's exit
+    would take away before the test reads it."""
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    buffer = io.BytesIO()
+    torch.save({"model": model_state, "optim": optim_state.get("state", {})}, buffer)
+    return buffer.getvalue()
+
+
+def _read(state: bytes) -> dict:
+    return torch.load(io.BytesIO(state), weights_only=True)
+
+
+def _write(directory: str, rank: int, port: int, results) -> None:
+    model, step = _group(2, port, rank)
+    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):  # the moments are non-zero and differ between the ranks' shards
+        step(Batch(batch))
+    write_worker_checkpoint(model, step.optimizer, directory, outer_step=5, inner_step=3, rank=rank, world_size=2)
+    full = _full_state(model, step.optimizer)
+    if rank == 0:
+        results.put(full)
+    dist.destroy_process_group()
+
+
+def _load(directory: str, rank: int, port: int, results) -> None:
+    model, step = _group(1, port, rank)
+    meta = load_worker_checkpoint(directory, model, step.optimizer)
+    results.put((meta, _full_state(model, step.optimizer)))
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_written_by_two_workers_loads_into_one_resharded(tmp_path):
+    directory = str(tmp_path / "checkpoint")
+    (written,) = run_gloo_ranks(functools.partial(_write, directory), world=2, rows=1)
+    ((meta, loaded),) = run_gloo_ranks(functools.partial(_load, directory), world=1, rows=1)
+    written, loaded = _read(written), _read(loaded)
+
+    assert meta == {"outer_step": 5, "inner_step": 3, "world_size": 2}
+    assert written["model"].keys() == loaded["model"].keys()
+    for name, value in written["model"].items():
+        assert torch.equal(loaded["model"][name], value), name
+    assert written["optim"].keys() == loaded["optim"].keys() and written["optim"]
+    for name, state in written["optim"].items():
+        assert state["exp_avg"].abs().sum() > 0, name  # trained moments, not a fresh optimizer's zeros
+        for key, value in state.items():
+            assert torch.equal(loaded["optim"][name][key], value), (name, key)
