@@ -2,11 +2,11 @@
 fake multi-node node provider, extended with what a cloud does at a preemption (tests/preemptible_provider.py;
 the provider is the one `ray.cluster_utils.AutoscalingCluster` drives, but that class runs
 `ray stop --force`, which would stop every Ray on the machine, so the head is started here the same way, in a
-process group of its own, and stopped by it). The autoscaler starts worker nodes of one type, labelled with a
-region, when tasks and actors ask for more than the cluster has (Ray Train's elastic policy asks for its group's
-largest size), and terminates the nodes that stay idle, as on a cloud. A preemption is `drain` (the cloud's
-notice: reason PREEMPTION and a deadline), then `kill_node` at the deadline; `withhold_capacity` makes launches
-wait, as a zone out of spot instances does.
+process group of its own, and stopped by it). The autoscaler starts worker nodes of the given types (each
+labelled with a region) up to their minimums, and more when tasks and actors ask for more than the cluster has
+(Ray Train's elastic policy asks for its group's largest size), and terminates the nodes that stay idle, as on a
+cloud. A preemption is `drain` (the cloud's notice: reason PREEMPTION and a deadline), then `kill_node` at the
+deadline; `withhold_capacity` makes launches wait, as a zone out of spot instances does.
 
 The head takes the authentication mode of the test process, which is a client of it (the region's driver runs in
 the test): Ray turns token mode on for the whole process at its first local `ray.init` (it sets
@@ -23,25 +23,34 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import ray
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
 from conftest import RAY, descendants, free_port
 
 
-def autoscaling_config(port: int, head_cpus: int, node_type: str, node_cpus: int, labels: dict[str, str],
-                       min_nodes: int, max_nodes: int, idle_minutes: float, no_capacity_file: Path) -> dict:
-    """The cluster config of Ray's fake multi-node provider: the head, and worker nodes of `node_type`."""
+class NodeType(NamedTuple):
+    """Worker nodes the autoscaler may start: their CPUs and labels, and how many at least and at most."""
+    cpus: int
+    labels: dict[str, str]
+    min_nodes: int
+    max_nodes: int
+
+
+def autoscaling_config(port: int, head_cpus: int, node_types: dict[str, NodeType], idle_minutes: float,
+                       no_capacity_file: Path) -> dict:
+    """The cluster config of Ray's fake multi-node provider: the head, and worker nodes of `node_types`."""
+    workers = {name: {"resources": {"CPU": t.cpus}, "labels": t.labels, "node_config": {},
+                      "min_workers": t.min_nodes, "max_workers": t.max_nodes} for name, t in node_types.items()}
     return {
-        "cluster_name": "ray-diloco-test", "max_workers": max_nodes,
+        "cluster_name": "ray-diloco-test", "max_workers": sum(t.max_nodes for t in node_types.values()),
         "provider": {"type": "external", "module": "preemptible_provider.PreemptibleFakeProvider",
                       "use_node_id_as_ip": True, "disable_node_updaters": True,
                      "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}",
                      "no_capacity_file": str(no_capacity_file)},
         "available_node_types": {
-            "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0},
-            node_type: {"resources": {"CPU": node_cpus}, "labels": labels, "node_config": {},
-                        "min_workers": min_nodes, "max_workers": max_nodes}},
+            "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0}, **workers},
         "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0, "idle_timeout_minutes": idle_minutes,
         "docker": {}, "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
@@ -50,19 +59,21 @@ def autoscaling_config(port: int, head_cpus: int, node_type: str, node_cpus: int
 
 
 class AutoscalingHead:
-    def __init__(self, tmp: Path, head_cpus: int, node_type: str, node_cpus: int, labels: dict[str, str],
-                 min_nodes: int, max_nodes: int, idle_minutes: float):
+    def __init__(self, tmp: Path, head_cpus: int, node_types: dict[str, NodeType], idle_minutes: float):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.no_capacity_file = tmp / f"no-capacity-{self.port}"
         config = tmp / "autoscaling.json"
-        config.write_text(json.dumps(autoscaling_config(self.port, head_cpus, node_type, node_cpus, labels,
-                                                        min_nodes, max_nodes, idle_minutes, self.no_capacity_file)))
+        config.write_text(json.dumps(autoscaling_config(self.port, head_cpus, node_types, idle_minutes,
+                                                        self.no_capacity_file)))
         self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         token_mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
         if token_mode:
             subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=True)
-        self.env.update(RAY_AUTH_MODE="token" if token_mode else "disabled", RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
+        self.env.update(RAY_AUTH_MODE="token" if token_mode else "disabled", RAY_FAKE_CLUSTER="1",
+                        AUTOSCALER_UPDATE_INTERVAL_S="1",  # the autoscaler looks every second, not every 5
+                        # `stop`'s SIGTERM tears the head down at once; by default it first drains the node for up
+                        # to 30 s (for Ray Serve's proxies), which only slows the test's end.
                         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
                         # The autoscaler (the head's monitor process) imports tests/preemptible_provider.py; Ray
                         # passes the variable on to every process of the cluster, where it does nothing else.
@@ -81,7 +92,7 @@ class AutoscalingHead:
         try:
             deadline = time.monotonic() + 180
             while subprocess.run([RAY, "status", f"--address={self.address}"], env=self.env,
-                                 capture_output=True).returncode != 0:
+                                 capture_output=True, timeout=60).returncode != 0:
                 assert self.process.poll() is None and time.monotonic() < deadline, \
                     self.log_path.read_text()[-3000:]
                 time.sleep(2)
@@ -110,7 +121,9 @@ class AutoscalingHead:
     def kill_node(self, node_id: str) -> None:
         """What a cloud does at a preemption's deadline: the node's processes end at once (SIGKILL), and the node
         provider no longer lists it (tests/preemptible_provider.py), so the autoscaler may start another."""
-        kill(node_processes(node_id, self.process.pid))
+        processes = node_processes(node_id, self.process.pid)
+        assert processes, f"no process of node {node_id} under this head: nothing to preempt"
+        kill(processes)
 
     def stop(self) -> None:
         """SIGTERM to `ray start` (it stops its processes in order), then SIGKILL to its process group (the

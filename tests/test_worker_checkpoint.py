@@ -62,7 +62,7 @@ def _read(state: bytes) -> dict:
 def _write(directory: str, rank: int, port: int, results) -> None:
     model, step = _group(2, port, rank)
     batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))
-    for _ in range(3):  # the moments are non-zero and differ between the ranks' shards
+    for _ in range(3):  # trained moments: a load that left the optimizer fresh would show zeros
         step(Batch(batch))
     write_worker_checkpoint(model, step.optimizer, directory, outer_step=5, inner_step=3, rank=rank, world_size=2)
     full = _full_state(model, step.optimizer)
