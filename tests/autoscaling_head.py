@@ -91,14 +91,21 @@ class AutoscalingHead:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         try:
             deadline = time.monotonic() + 180
-            while subprocess.run([RAY, "status", f"--address={self.address}"], env=self.env,
-                                 capture_output=True, timeout=60).returncode != 0:
+            while not self._answers():
                 assert self.process.poll() is None and time.monotonic() < deadline, \
                     self.log_path.read_text()[-3000:]
                 time.sleep(2)
         except BaseException:
             self.stop()  # a head that did not come up leaves nothing behind
             raise
+
+    def _answers(self) -> bool:
+        """`ray status` succeeds: the head is up. A call that hangs (the GCS still starting) counts as not yet."""
+        try:
+            return subprocess.run([RAY, "status", f"--address={self.address}"], env=self.env, capture_output=True,
+                                  timeout=60).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def worker_nodes(self) -> list[dict]:
         """The alive nodes the autoscaler started (this process must be connected to the head)."""

@@ -1,11 +1,12 @@
 """Two regions in one Ray cluster whose worker nodes carry region labels (`ray.io/availability-region`, as
-`cluster/` sets them): each region's training workers and its SyncActor run on the nodes labelled with its name,
-and nowhere else, though the unlabelled head has room for all of them and the other region's node for some.
+`cluster/` sets them): each region's training worker, SyncActor and data reader (RegionStream) run on the node
+labelled with its name, though the unlabelled head has room for all of them and the other region's node for some.
+(One look, once every one of them is up.)
 
 The nodes are started by Ray's autoscaler (tests/autoscaling_head.py): one node type per region, at least and at
 most one node each, labelled through the node type's `labels`, as a cluster YAML of the README's would. The driver
-finds the labels on the cluster's nodes and gives each region's Ray Train group and actors the region's label
-selector (`ray_diloco.driver.region_placement`).
+finds the labels on the cluster's nodes and gives each region's Ray Train group (`ScalingConfig.label_selector`)
+and actors the region's label selector (`ray_diloco.driver.region_placement`).
 """
 
 import dataclasses
@@ -21,6 +22,8 @@ from ray_diloco.driver import REGION_LABEL, run_actor_name, run_training
 from ray_diloco.presets import tiny_cpu
 
 REGIONS = ("us", "eu")
+OUTER_STEPS = 4  # long enough to be looked at while it runs
+LAST_LOOK: dict[str, dict] = {}  # what the last look at a region found missing (for a timeout's message)
 
 
 def labelled_run(tmp_path):
@@ -29,38 +32,56 @@ def labelled_run(tmp_path):
         cfg, regions=[RegionConfig(name=name, workers=1) for name in REGIONS],
         inner=dataclasses.replace(cfg.inner, warmup_steps=2),
         outer=dataclasses.replace(cfg.outer, inner_steps=4, matchmaking_seconds=5.0),
-        run=dataclasses.replace(cfg.run, name="labels", outer_steps=2, eval_every=0, output_dir=str(tmp_path)))
+        run=dataclasses.replace(cfg.run, name="labels", outer_steps=OUTER_STEPS, eval_every=0,
+                                output_dir=str(tmp_path)))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_each_region_runs_on_the_nodes_labelled_with_its_name(tmp_path):
     cfg = labelled_run(tmp_path)
     # 3 CPUs a node: a region's worker (1), SyncActor (0.5) and data tasks fit on its own node, and the worker or
-    # SyncActor of the other region would too. The head (4) could hold everything.
+    # SyncActor of the other region would too. The head's 4 could hold everything.
     head = AutoscalingHead(tmp_path, head_cpus=4, idle_minutes=5, node_types={
         f"{name}-cpu3": NodeType(cpus=3, labels={REGION_LABEL: name}, min_nodes=1, max_nodes=1) for name in REGIONS})
-    placed: dict[str, dict[str, str | None]] = {}  # region -> {"sync": label, "worker": label}
     try:
         ray.init(address=head.address)
         wait_for(lambda: len(head.worker_nodes()) == len(REGIONS), 300, "the autoscaler's two labelled nodes")
         ray.shutdown()
         run = RunInThread(lambda: run_training(cfg, address=head.address))
-        # Not ray.get_actor before the driver has connected: it would start a Ray of its own.
-        wait_for(lambda: ray.is_initialized() and all(_worker_pid(cfg, r) for r in REGIONS), 300,
-                 "every region's worker")
-        labels = {n["NodeID"]: n.get("Labels", {}).get(REGION_LABEL) for n in ray.nodes()}
-        for region in REGIONS:
-            (sync,) = list_actors(address=head.address,
-                                  filters=[("name", "=", run_actor_name("sync", cfg, region)), ("state", "=", "ALIVE")])
-            (worker,) = list_workers(address=head.address, filters=[("pid", "=", _worker_pid(cfg, region))])
-            placed[region] = {"sync": labels.get(sync.node_id), "worker": labels.get(worker.node_id)}
+        try:
+            # ray.is_initialized first: the test process has no Ray of its own until the driver has connected.
+            placed = wait_for(lambda: ray.is_initialized() and _placement(cfg, head.address), 300,
+                              "every region's worker, SyncActor and data reader in Ray's state API")
+        except AssertionError as timeout:
+            if run.error:  # the run failed: that, not the wait, is the news
+                raise run.error from None
+            raise AssertionError(f"{timeout}; last look: {LAST_LOOK}") from None
         summary = run.join(600)
     finally:
         ray.shutdown()
         head.stop()
 
-    assert placed == {region: {"sync": region, "worker": region} for region in REGIONS}, placed
-    assert summary["outer_steps"] == 2 and len(set(summary["global_digest"].values())) == 1, summary
+    assert placed == {region: {"sync": region, "stream": region, "worker": region} for region in REGIONS}, placed
+    assert summary["outer_steps"] == OUTER_STEPS and len(set(summary["global_digest"].values())) == 1, summary
+
+
+def _placement(cfg, address: str) -> dict[str, dict[str, str | None]] | None:
+    """region -> the region label of the node of its SyncActor, data reader (RegionStream) and training worker;
+    None until each is up and listed once by Ray's state API (it may list a process a moment after it started)."""
+    labels = {n["NodeID"]: n.get("Labels", {}).get(REGION_LABEL) for n in ray.nodes()}
+    placed = {}
+    for region in REGIONS:
+        pid = _worker_pid(cfg, region)
+        actors = {kind: list_actors(address=address, filters=[("name", "=", run_actor_name(kind, cfg, region))])
+                  for kind in ("sync", "stream")}
+        workers = [w for w in list_workers(address=address, filters=[("pid", "=", pid)]) if w.is_alive] if pid else []
+        if len(workers) != 1 or any(len(found) != 1 for found in actors.values()):
+            LAST_LOOK[region] = {"worker pid": pid, "workers listed": len(workers),
+                                 **{f"{kind} listed": len(found) for kind, found in actors.items()}}
+            return None
+        placed[region] = {kind: labels.get(found[0].node_id) for kind, found in actors.items()}
+        placed[region]["worker"] = labels.get(workers[0].node_id)
+    return placed
 
 
 def _worker_pid(cfg, region: str) -> int | None:
