@@ -213,6 +213,16 @@ class Driver:
         return "".join(self.lines)
 
 
+class SameBatch:
+    """A data stream for an inner step that yields one batch over and over."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def next(self):
+        return self.batch
+
+
 def run_gloo_ranks(target, world: int, rows: int, timeout: float = 300) -> list:
     """`target(rank, port, results)` in `world` spawned processes that form a gloo group on a free port; returns
     the `rows` items they put on `results`. A rank that dies fails the test at once, not after the timeout."""

@@ -13,21 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_gloo_ranks
+from conftest import SameBatch, run_gloo_ranks
 
 from ray_diloco.inner_step import InnerStep, compile_layers, compute_dtype, shard_model
 from ray_diloco.model import build_model
 from ray_diloco.presets import tiny_cpu
 
 VOCAB = 320
-
-
-class SameBatch:
-    def __init__(self, batch: torch.Tensor):
-        self.batch = batch
-
-    def next(self) -> torch.Tensor:
-        return self.batch
 
 
 def test_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu():

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from conftest import run_gloo_ranks
+from conftest import SameBatch, run_gloo_ranks
 
 from ray_diloco.inner_step import InnerStep, shard_model
 from ray_diloco.model import build_model
@@ -22,14 +22,6 @@ from ray_diloco.presets import tiny_cpu
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, write_worker_checkpoint
 
 VOCAB = 320
-
-
-class Batch:
-    def __init__(self, batch: torch.Tensor):
-        self.batch = batch
-
-    def next(self) -> torch.Tensor:
-        return self.batch
 
 
 def _group(world: int, port: int, rank: int):
@@ -63,7 +55,7 @@ def _write(directory: str, rank: int, port: int, results) -> None:
     model, step = _group(2, port, rank)
     batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))
     for _ in range(3):  # trained moments: a load that left the optimizer fresh would show zeros
-        step(Batch(batch))
+        step(SameBatch(batch))
     write_worker_checkpoint(model, step.optimizer, directory, outer_step=5, inner_step=3, rank=rank, world_size=2)
     full = _full_state(model, step.optimizer)
     if rank == 0:
