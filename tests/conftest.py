@@ -93,6 +93,15 @@ class RunInThread:
         return self.result
 
 
+def named_actor(name: str, address: str):
+    """The live actor `name` of the cluster at `address`, in whichever namespace its driver has (each driver's job
+    has a namespace of its own); None while there is none."""
+    from ray.util.state import list_actors
+
+    found = list_actors(address=address, filters=[("name", "=", name), ("state", "=", "ALIVE")])
+    return ray.get_actor(name, namespace=found[0].ray_namespace) if found else None
+
+
 def wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -182,7 +191,11 @@ def driver_env(**extra):
 
 
 class Driver:
-    """`ray-diloco train` in a process of its own; its output is read as it comes."""
+    """`ray-diloco train` in a process of its own; its output is read as it comes. A test that watches a run on a
+    cluster it started (tests/autoscaling_head.py) runs the driver so, never in a thread of its own process: when
+    such a test failed, its clean-up shut Ray down and stopped the head while the driver thread went on, that
+    thread's next Ray call connected to the stopped head, and Ray ended the whole pytest process (exit 1, no
+    report of the failure: seen in CI)."""
 
     def __init__(self, argv, env):
         self.process = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", *argv], env=env,

@@ -6,9 +6,10 @@ Region us runs on a head with Ray's own autoscaler (tests/autoscaling_head.py: t
 nodes of 2 CPUs labelled `us`, at least 1 and at most 2, terminated when idle). The head has 1 CPU (SyncActor, data
 tasks), so the workers can only run on the autoscaler's nodes; the driver also gives them the region's label
 selector, which this test cannot tell apart from the head's lack of room (the v1 autoscaler ignores labels when it
-picks a node type, and there is one type). Region eu runs beside it in a Ray of its own (a second `ray-diloco train
---local-regions eu`), and the two meet over Hivemind through the shared storage's peer files (no
-`--initial-peers`). Ray Train's elastic policy asks for 2 workers: the autoscaler starts the second node and the
+picks a node type, and there is one type). Every region's driver is `ray-diloco train` in a process of its own, us's
+with `--address` of the head (the test process only watches: conftest.Driver says why). Region eu runs beside it
+in a Ray of its own (`--local-regions eu`), and the two meet over Hivemind through the shared storage's peer files
+(no `--initial-peers`). Ray Train's elastic policy asks for 2 workers: the autoscaler starts the second node and the
 group grows to 2. Mid-run one node is preempted as on a cloud: drained with reason PREEMPTION and a deadline (the
 notice); at the deadline Ray Train ends the group, the node's processes are killed and the instance leaves the
 provider's list, and for a while there is no capacity to replace it (tests/preemptible_provider.py). Ray Train
@@ -31,9 +32,7 @@ terminates the idle node (down to its minimum of 1). Checks that:
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,12 +40,12 @@ import ray
 import yaml
 from ray.util.state import list_workers
 from autoscaling_head import AutoscalingHead, NodeType
-from conftest import RunInThread, alive, wait_for
+from conftest import Driver, alive, driver_env, named_actor, wait_for
 from ray_diloco.batches import window_fingerprint
 from ray_diloco.checkpoint import CheckpointStore
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.pipeline import build_region_datasets
-from ray_diloco.driver import REGION_LABEL, run_training
+from ray_diloco.driver import REGION_LABEL, run_actor_name
 from ray_diloco.presets import tiny_cpu
 
 OUTER_STEPS = 9  # grow, checkpoint, preempt, a round with 1 worker, grow back: with room to spare
@@ -68,11 +67,10 @@ def run_yaml(tmp_path: Path) -> Path:
     return path
 
 
-def start_region(config: Path, region: str, log: Path) -> subprocess.Popen:
-    """A cluster of its own for `region`: `ray-diloco train` starts a private Ray."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(config),
-                             "--local-regions", region], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+def start_region(config: Path, region: str, *address: str) -> Driver:
+    """`ray-diloco train` for `region`: on the cluster at `address`, else in a private Ray (a cluster of its own)."""
+    return Driver(["--config", str(config), "--local-regions", region, *(("--address", *address) if address else ())],
+                  driver_env())
 
 
 def events_of(actor, kind):
@@ -102,25 +100,21 @@ def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:
 @pytest.mark.timeout(1500)
 def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_trains_every_window_once(tmp_path):
     config = run_yaml(tmp_path)
+    cfg = ExperimentConfig.from_yaml(config.read_text())
     head = AutoscalingHead(tmp_path, head_cpus=1, idle_minutes=0.25,
                            node_types={"us-cpu2": NodeType(cpus=2, labels={REGION_LABEL: "us"}, min_nodes=1,
                                                            max_nodes=2)})
-    others: dict[str, subprocess.Popen] = {}
+    drivers: dict[str, Driver] = {}
     node_labels: dict[str, str | None] = {}  # every node that hosted one of us's workers -> its region label
     try:
-        ray.init(address=head.address)
+        ray.init(address=head.address)  # this process only watches; every region's driver is a process of its own
         # The first node is up before the driver starts: it pins the region's workers to nodes labelled `us`.
         wait_for(lambda: head.worker_nodes(), 300, "the autoscaler's first node")
-        ray.shutdown()
-        cfg = ExperimentConfig.from_yaml(config.read_text())
-        us_cfg = ExperimentConfig.from_dict({**cfg.to_dict(), "run": {**cfg.to_dict()["run"],
-                                                                      "local_regions": ["us"]}})
-        run = RunInThread(lambda: run_training(us_cfg, address=head.address))
-        # Not ray.get_actor before the driver has connected: it would start a Ray of its own.
-        wait_for(lambda: ray.is_initialized() and _actor("elastic", "us") is not None, 300, "us's SyncActor")
-        actor = _actor("elastic", "us")
+        drivers["us"] = start_region(config, "us", head.address)
+        actor = wait_for(lambda: named_actor(run_actor_name("sync", cfg, "us"), head.address), 300,
+                         "us's SyncActor")
         # After us is up: a region never seen is not waited for.
-        others["eu"] = start_region(config, "eu", tmp_path / "eu.log")
+        drivers["eu"] = start_region(config, "eu")
         # Ray Train asks for 2 workers; the autoscaler starts the second node and the group grows to 2.
         wait_for(lambda: len(ray.get(actor.worker_pids.remote())) == 2, 600, "the group on 2 workers")
         grown = ray.get(actor.outer_step.remote())
@@ -144,34 +138,33 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         wait_for(lambda: any(e["to_workers"] == 1 for e in events_of(actor, "group_resized")[before:]), 600,
                  "the group restarted with 1 worker")
         shrunk = ray.get(actor.outer_step.remote())
-        others["ap"] = start_region(config, "ap", tmp_path / "ap.log")  # a third cluster, mid-run
+        drivers["ap"] = start_region(config, "ap")  # a third cluster, mid-run
         wait_for(lambda: ray.get(actor.outer_step.remote()) >= shrunk + 1, 600, "a round with 1 worker")
         head.withhold_capacity(False)
         wait_for(lambda: len(events_of(actor, "group_resized")) > before + 1, 600, "the group grew back to 2 workers")
         wait_for(lambda: len(_note_worker_nodes(actor, node_labels, head.address)) >= 3, 120,
                  "a worker on a node started after the preemption")
-        summary = run.join(900)
-        for region, process in others.items():
-            assert process.wait(timeout=600) == 0, (tmp_path / f"{region}.log").read_text()[-3000:]
-        if not ray.is_initialized():
-            ray.init(address=head.address)
+        for region, driver in drivers.items():
+            assert driver.process.wait(timeout=900) == 0, f"{region}'s driver failed:\n{driver.output()[-3000:]}"
         # The run is over: its nodes are idle, and the autoscaler terminates them (down to its minimum of 1).
         wait_for(lambda: len(head.worker_nodes()) == 1, 300, "the autoscaler to terminate the idle node")
+    except AssertionError as failure:  # what the drivers printed says why
+        raise AssertionError(f"{failure}\n" + "".join(f"--- {region}'s driver (end) ---\n{d.output()[-2500:]}\n"
+                                                      for region, d in drivers.items())) from None
     finally:
-        for process in others.values():
-            if process.poll() is None:
-                process.kill()
+        end_drivers(drivers.values())
         ray.shutdown()
         head.stop()
 
+    results = tmp_path / "out" / "elastic"
+    summary, *theirs = (json.loads((results / f"summary-{r}.json").read_text()) for r in ("us", "eu", "ap"))
+    theirs = dict(zip(("eu", "ap"), theirs))
     assert set(node_labels.values()) == {"us"}, node_labels  # only on the autoscaler's nodes, all labelled us
     # The first node, the second (preempted), and the one the autoscaler started for the group after it.
     assert preempted in node_labels and len(node_labels) >= 3, (preempted, node_labels)
     after_preemption = [e for e in summary["events"] if e["event"] == "group_resized"][before:]
     resized = [(e["from_workers"], e["to_workers"]) for e in after_preemption]
     assert resized[:2] == [(2, 1), (1, 2)], summary["events"]
-    results = tmp_path / "out" / "elastic"
-    theirs = {region: json.loads((results / f"summary-{region}.json").read_text()) for region in ("eu", "ap")}
     digests = {summary["global_digest"]["us"], *(theirs[r]["global_digest"][r] for r in theirs)}
     assert len(digests) == 1, digests  # bit for bit at the end, in all three clusters
     joined = [e for e in theirs["ap"]["events"] if e["event"] == "region_joined"]
@@ -208,8 +201,13 @@ def _worker_pids_on(actor, node_id: str, address: str) -> list[int]:
             if any(w.node_id == node_id for w in list_workers(address=address, filters=[("pid", "=", pid)]))]
 
 
-def _actor(run: str, region: str):
-    try:
-        return ray.get_actor(f"diloco-sync-{run}-{region}")
-    except ValueError:
-        return None
+def end_drivers(drivers) -> None:
+    """Drivers a failed test left running: SIGTERM (each stops its run and its private Ray), then SIGKILL."""
+    running = [d for d in drivers if d.process.poll() is None]
+    for driver in running:
+        driver.stop()
+    for driver in running:
+        try:
+            driver.process.wait(60)
+        except subprocess.TimeoutExpired:
+            driver.process.kill()

@@ -6,19 +6,21 @@ labelled with its name, though the unlabelled head has room for all of them and 
 The nodes are started by Ray's autoscaler (tests/autoscaling_head.py): one node type per region, at least and at
 most one node each, labelled through the node type's `labels`, as a cluster YAML of the README's would. The driver
 finds the labels on the cluster's nodes and gives each region's Ray Train group (`ScalingConfig.label_selector`)
-and actors the region's label selector (`ray_diloco.driver.region_placement`).
+and actors the region's label selector (`ray_diloco.driver.region_placement`). The driver is `ray-diloco train
+--address <head>` in a process of its own; the test process only watches (conftest.Driver says why).
 """
 
 import dataclasses
+import json
 
 import pytest
 import ray
 from ray.util.state import list_actors, list_workers
 
 from autoscaling_head import AutoscalingHead, NodeType
-from conftest import RunInThread, wait_for
+from conftest import Driver, driver_env, named_actor, wait_for
 from ray_diloco.config import RegionConfig
-from ray_diloco.driver import REGION_LABEL, run_actor_name, run_training
+from ray_diloco.driver import REGION_LABEL, run_actor_name
 from ray_diloco.presets import tiny_cpu
 
 REGIONS = ("us", "eu")
@@ -39,29 +41,32 @@ def labelled_run(tmp_path):
 @pytest.mark.timeout(1500)
 def test_each_region_runs_on_the_nodes_labelled_with_its_name(tmp_path):
     cfg = labelled_run(tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(cfg.to_yaml())
     # 3 CPUs a node: a region's worker (1), SyncActor (0.5) and data tasks fit on its own node, and the worker or
     # SyncActor of the other region would too. The head's 4 could hold everything.
     head = AutoscalingHead(tmp_path, head_cpus=4, idle_minutes=5, node_types={
         f"{name}-cpu3": NodeType(cpus=3, labels={REGION_LABEL: name}, min_nodes=1, max_nodes=1) for name in REGIONS})
+    driver = None
     try:
-        ray.init(address=head.address)
+        ray.init(address=head.address)  # this process only watches; the driver is a process of its own
         wait_for(lambda: len(head.worker_nodes()) == len(REGIONS), 300, "the autoscaler's two labelled nodes")
-        ray.shutdown()
-        run = RunInThread(lambda: run_training(cfg, address=head.address))
+        driver = Driver(["--config", str(config), "--address", head.address], driver_env())
         try:
-            # ray.is_initialized first: the test process has no Ray of its own until the driver has connected.
-            placed = wait_for(lambda: ray.is_initialized() and _placement(cfg, head.address), 300,
+            placed = wait_for(lambda: _placement(cfg, head.address), 300,
                               "every region's worker, SyncActor and data reader in Ray's state API")
         except AssertionError as timeout:
-            if run.error:  # the run failed: that, not the wait, is the news
-                raise run.error from None
-            raise AssertionError(f"{timeout}; last look: {LAST_LOOK}") from None
-        summary = run.join(600)
+            raise AssertionError(f"{timeout}; last look: {LAST_LOOK}\n--- the driver (end) ---\n"
+                                 f"{driver.output()[-3000:]}") from None
+        assert driver.process.wait(timeout=600) == 0, driver.output()[-3000:]
     finally:
+        if driver is not None and driver.process.poll() is None:
+            driver.process.kill()  # the head, stopped next, takes the run's actors with it
         ray.shutdown()
         head.stop()
 
     assert placed == {region: {"sync": region, "stream": region, "worker": region} for region in REGIONS}, placed
+    summary = json.loads((tmp_path / "labels" / "summary.json").read_text())
     assert summary["outer_steps"] == OUTER_STEPS and len(set(summary["global_digest"].values())) == 1, summary
 
 
@@ -71,7 +76,7 @@ def _placement(cfg, address: str) -> dict[str, dict[str, str | None]] | None:
     labels = {n["NodeID"]: n.get("Labels", {}).get(REGION_LABEL) for n in ray.nodes()}
     placed = {}
     for region in REGIONS:
-        pid = _worker_pid(cfg, region)
+        pid = _worker_pid(cfg, region, address)
         actors = {kind: list_actors(address=address, filters=[("name", "=", run_actor_name(kind, cfg, region))])
                   for kind in ("sync", "stream")}
         workers = [w for w in list_workers(address=address, filters=[("pid", "=", pid)]) if w.is_alive] if pid else []
@@ -84,10 +89,9 @@ def _placement(cfg, address: str) -> dict[str, dict[str, str | None]] | None:
     return placed
 
 
-def _worker_pid(cfg, region: str) -> int | None:
+def _worker_pid(cfg, region: str, address: str) -> int | None:
     """The pid of the region's (only) training worker once it has registered with the SyncActor."""
-    try:
-        actor = ray.get_actor(run_actor_name("sync", cfg, region))
-    except ValueError:
+    actor = named_actor(run_actor_name("sync", cfg, region), address)
+    if actor is None:
         return None
     return next(iter(ray.get(actor.worker_pids.remote()).values()), None)
