@@ -170,6 +170,9 @@ def build_summary(cfg: ExperimentConfig, groups: list[RegionConfig], outcome: Tr
         # What each group trained on: equal for two runs that saw the same windows (see batches.py).
         "data_fingerprint": {groups[i].name: w["data"] for i, w in zip(outcome.finished, workers)},
         "data_files": data_files(cfg, groups),
+        # The Ray nodes that ran each region's training workers, in order of first use (an elastic region's
+        # include every node the autoscaler gave it); none in ddp and single mode, which have no SyncActor.
+        "worker_nodes": {s["region"]: s["worker_nodes"] for s in stats if "worker_nodes" in s},
         # Rank 0's training loss per inner step (since its last start), per region: loss.png draws it.
         "loss_curve": {groups[i].name: w.get("loss_curve", []) for i, w in zip(outcome.finished, workers)},
         # Rank 0's exchanges: (seconds into its training loop when the exchange returned, seconds it waited).

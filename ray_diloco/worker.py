@@ -177,7 +177,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     inner_step = InnerStep(model, cfg, device, 0)
     start_outer, progress = 0, None
     if sync_actor is not None:
-        ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname()))
+        ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname(),
+                                                  ray.get_runtime_context().get_node_id()))
         start_outer, progress = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
     batches = WorkerBatches(stream, device, rank, world_size, progress)
 

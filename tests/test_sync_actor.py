@@ -240,7 +240,7 @@ def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_posi
     cfg = config(tmp_path, "resize", [2])
     actor = SyncActorImpl(cfg, "r0")
     for rank, pid in ((0, 100), (1, 101)):
-        actor.register_worker(rank, 2, pid, "host")
+        actor.register_worker(rank, 2, pid, "host", node=f"node-{rank}")
     start = {"batches": 0, "epoch": 0, "epoch_batches": 0, "windows": 0, "fingerprint": "0" * 16}
     progress = [{"batches": 3 + rank, "epoch": 0, "epoch_batches": 3 + rank, "windows": 2 * 4,
                  "fingerprint": f"{rank + 1:016x}", "start": start} for rank in range(2)]
@@ -251,7 +251,8 @@ def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_posi
                                       for rank in range(2)))
 
     asyncio.run(round_of_two())
-    actor.register_worker(0, 1, 300, "host")
+    actor.register_worker(0, 1, 300, "host", node="node-2")  # on a node the autoscaler started meanwhile
+    assert actor.stats()["worker_nodes"] == ["node-0", "node-1", "node-2"]  # every node, in order of first use
     (resized,) = [e for e in actor.events if e["event"] == "group_resized"]
     assert (resized["from_workers"], resized["to_workers"], resized["outer_step"]) == (2, 1, 1)
     state = asyncio.run(actor.resume_state(0, 1))

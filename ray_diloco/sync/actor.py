@@ -177,7 +177,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         self.recorded: list[dict] = []
         self.poison_factor = poison_factor_for_test(self.region)  # tests and benchmarks only (rounds.py)
         self.evaluator = evaluator  # set on one region only: θ_global is the same everywhere
-        self.workers: dict[int, dict] = {}  # rank -> {pid, host}: who trains this region now
+        self.workers: dict[int, dict] = {}  # rank -> {pid, host, node}: who trains this region now
+        self.worker_nodes: list[str] = []  # every Ray node that ran one of its workers, in order of first use
         self.events: list[dict] = []  # restarts, departures, joins — for status lines and summary.json
         self._digest = state_digest(self.outer.global_state())
         self._momentum_digest = state_digest(self.outer.momentum_state())  # in our records: a download checks it
@@ -193,9 +194,10 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
     def multiaddrs(self) -> list[str]:
         return self.averager.visible_multiaddrs() if self.averager else []
 
-    def register_worker(self, rank: int, world_size: int, pid: int, host: str) -> None:
-        """A worker (re)starts. A known rank with a new process is a restart of the region's group; a group of
-        another worker count is a resize (Ray Train's elastic scaling, or a restart with the nodes it could get)."""
+    def register_worker(self, rank: int, world_size: int, pid: int, host: str, node: str = "") -> None:
+        """A worker (re)starts on Ray node `node`. A known rank with a new process is a restart of the region's
+        group; a group of another worker count is a resize (Ray Train's elastic scaling, or a restart with the
+        nodes it could get)."""
         if self.group_workers is not None and world_size != self.group_workers:
             self.record_event("group_resized", from_workers=self.group_workers, to_workers=world_size)
             self._drop_waiting_rounds(f"the region's group was resized to {world_size} workers")
@@ -206,7 +208,9 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         if previous is not None and previous["pid"] != pid:
             self.record_event("worker_restart", rank=rank, old_pid=previous["pid"], pid=pid)
             self._drop_waiting_rounds(f"rank {rank} of the region restarted")
-        self.workers[rank] = {"pid": pid, "host": host, "world_size": world_size}
+        self.workers[rank] = {"pid": pid, "host": host, "node": node, "world_size": world_size}
+        if node and node not in self.worker_nodes:
+            self.worker_nodes.append(node)
 
     def _drop_waiting_rounds(self, why: str) -> None:
         """Rounds still gathering shards hold shards of the old group's (dead) ranks: a new rank must not
@@ -294,6 +298,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             "sync_seconds": self.sync_seconds, "rounds": list(self.history), "digest": self.digest(),
             "record": dataclasses.asdict(self._published) if self._published else None,
             "events": list(self.events), "peers_rejected": self.peers_rejected,
+            "worker_nodes": list(self.worker_nodes),
         }
 
     # -- the outer step ------------------------------------------------------------------------------
