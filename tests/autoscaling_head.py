@@ -8,13 +8,14 @@ labelled with a region) up to their minimums, and more when tasks and actors ask
 cloud. A preemption is `drain` (the cloud's notice: reason PREEMPTION and a deadline), then `kill_node` at the
 deadline; `withhold_capacity` makes launches wait, as a zone out of spot instances does.
 
-The head takes the authentication mode of the test process, which is a client of it (the region's driver runs in
-the test): Ray turns token mode on for the whole process at its first local `ray.init` (it sets
-`RAY_AUTH_MODE=token` in `os.environ`), and leaves it off when the process has only connected to clusters. A head
-and its clients must agree: with a head without tokens and a process in token mode, the driver's own server
-refused the head's calls ("Missing authorization header") and the region's SyncActor died at once; the other way
-round, the process cannot connect. In token mode the head uses the machine's default token (`~/.ray/auth_token`,
-the one the process reads), and the autoscaler's nodes inherit the mode and read the same file."""
+The head takes the authentication mode of the test process, which is a client of it (it watches the run there;
+the drivers, processes of their own, inherit its environment): Ray turns token mode on for the whole process at its
+first local `ray.init` (it sets `RAY_AUTH_MODE=token` in `os.environ`), and leaves it off when the process has
+only connected to clusters. A head and its clients must agree: with a head without tokens and a process in token
+mode, a driver in the process refused the head's calls ("Missing authorization header") and the region's SyncActor
+died at once; the other way round, the process cannot connect. In token mode the head uses the machine's default
+token (`~/.ray/auth_token`, the one the process reads), and the autoscaler's nodes inherit the mode and read the
+same file."""
 
 import json
 import os
@@ -131,12 +132,13 @@ class AutoscalingHead:
         node's raylet ends by itself once nothing runs there (seen under load, before this was called): then there
         is nothing left to kill, and Ray must list the node dead (this process must be connected to the head)."""
         processes = node_processes(node_id, self.process.pid)
-        if not processes:
-            deadline = time.monotonic() + 60  # Ray lists an exited raylet's node dead within moments
-            while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
-                assert time.monotonic() < deadline, f"no process of live node {node_id} under this head"
-                time.sleep(1)
-        kill(processes)
+        if processes:
+            kill(processes)
+            return
+        deadline = time.monotonic() + 60  # Ray lists an exited raylet's node dead within moments
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            assert time.monotonic() < deadline, f"no process of live node {node_id} under this head"
+            time.sleep(1)
 
     def stop(self) -> None:
         """SIGTERM to `ray start` (it stops its processes in order), then SIGKILL to its process group (the
@@ -156,6 +158,14 @@ class AutoscalingHead:
         self.log.close()
         if session:
             kill(session_processes(session.group(0)))
+        # As `ray stop` does: a later `ray.init()` without an address (Ray's auto-connect, in any process) must not
+        # attach to this stopped head; Ray ends a process whose raylet it cannot reach, with no report.
+        current = Path("/tmp/ray/ray_current_cluster")
+        try:
+            if current.read_text().strip().endswith(f":{self.port}"):
+                current.unlink()
+        except OSError:
+            pass  # none, or another cluster's
 
 
 def kill(pids: list[int]) -> None:

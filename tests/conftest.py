@@ -102,9 +102,14 @@ def named_actor(name: str, address: str):
     return ray.get_actor(name, namespace=found[0].ray_namespace) if found else None
 
 
-def wait_for(predicate, timeout, what):
+def wait_for(predicate, timeout, what, fail_if=lambda: None):
+    """`predicate()`'s first true value within `timeout` seconds (its exceptions count as not yet); `fail_if()`
+    returning a reason (a process the wait depends on has ended) fails the wait at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        reason = fail_if()
+        if reason:
+            raise AssertionError(f"{reason}, waiting for {what}")
         try:
             value = predicate()
             if value:
@@ -224,6 +229,24 @@ class Driver:
 
     def output(self):
         return "".join(self.lines)
+
+    def end(self) -> None:
+        """A driver a failed test left running: SIGTERM twice (the second stops the run at once, as the README
+        says), SIGKILL after 60 s, and whatever it had started (its private Ray, Hivemind's processes) killed."""
+        if self.process.poll() is not None:
+            return
+        started = self.stop()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        for pid in started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # ended with the driver
 
 
 class SameBatch:

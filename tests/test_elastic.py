@@ -32,7 +32,6 @@ terminates the idle node (down to its minimum of 1). Checks that:
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -67,10 +66,16 @@ def run_yaml(tmp_path: Path) -> Path:
     return path
 
 
-def start_region(config: Path, region: str, *address: str) -> Driver:
+def start_region(config: Path, region: str, address: str | None = None) -> Driver:
     """`ray-diloco train` for `region`: on the cluster at `address`, else in a private Ray (a cluster of its own)."""
-    return Driver(["--config", str(config), "--local-regions", region, *(("--address", *address) if address else ())],
+    return Driver(["--config", str(config), "--local-regions", region, *(["--address", address] if address else [])],
                   driver_env())
+
+
+def ended(drivers: dict[str, Driver]) -> str | None:
+    """Which driver has ended already (while the run should still go on), if any: a wait for it fails at once."""
+    return next((f"{region}'s driver ended (exit {d.process.returncode})" for region, d in drivers.items()
+                 if d.process.poll() is not None), None)
 
 
 def events_of(actor, kind):
@@ -105,50 +110,55 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
                            node_types={"us-cpu2": NodeType(cpus=2, labels={REGION_LABEL: "us"}, min_nodes=1,
                                                            max_nodes=2)})
     drivers: dict[str, Driver] = {}
+
+    def running(predicate, timeout, what):  # a wait while the run goes on: a driver that ended fails it
+        return wait_for(predicate, timeout, what, fail_if=lambda: ended(drivers))
+
     try:
         ray.init(address=head.address)  # this process only watches; every region's driver is a process of its own
         # The first node is up before the driver starts: it pins the region's workers to nodes labelled `us`.
         wait_for(lambda: head.worker_nodes(), 300, "the autoscaler's first node")
         drivers["us"] = start_region(config, "us", head.address)
-        actor = wait_for(lambda: named_actor(run_actor_name("sync", cfg, "us"), head.address), 300,
-                         "us's SyncActor")
+        actor = running(lambda: named_actor(run_actor_name("sync", cfg, "us"), head.address), 300, "us's SyncActor")
         # After us is up: a region never seen is not waited for.
         drivers["eu"] = start_region(config, "eu")
         # Ray Train asks for 2 workers; the autoscaler starts the second node and the group grows to 2.
-        wait_for(lambda: len(ray.get(actor.worker_pids.remote())) == 2, 600, "the group on 2 workers")
+        running(lambda: len(ray.get(actor.worker_pids.remote())) == 2, 600, "the group on 2 workers")
         grown = ray.get(actor.outer_step.remote())
         store = CheckpointStore(str(tmp_path / "bucket" / "elastic" / "checkpoints" / "us"))
-        wait_for(lambda: (store.latest_step() or 0) > grown, 600, "a checkpoint of us's after the growth")
+        running(lambda: (store.latest_step() or 0) > grown, 600, "a checkpoint of us's after the growth")
         before = len(events_of(actor, "group_resized"))
-        before_preemption = [n["NodeID"] for n in head.worker_nodes()]
-        preempted = before_preemption[-1]
+        used_before = ray.get(actor.stats.remote())["worker_nodes"]  # the nodes us's workers ran on until now
+        preempted = head.worker_nodes()[-1]["NodeID"]
         head.withhold_capacity(True)  # a zone out of spot instances: no replacement for now
         # Its worker, as Ray's state API lists it (it may lag the worker's start by a moment).
-        on_preempted = wait_for(lambda: _worker_pids_on(actor, preempted, head.address), 60,
-                                "the worker on the node to preempt")
+        on_preempted = running(lambda: _worker_pids_on(actor, preempted, head.address), 60,
+                               "the worker on the node to preempt")
         head.drain(preempted, deadline_seconds=NOTICE_SECONDS)  # the cloud's notice: this node goes soon
         # At the deadline Ray Train ends the group (a preemption, not a failure) and then the cloud takes the node.
         # Killed before Ray Train has acted, its worker's end would be an ordinary failure (max_failures 0: fatal).
-        wait_for(lambda: not any(alive(pid) for pid in on_preempted), NOTICE_SECONDS + 120,
-                 "Ray Train to end the group at the preemption's deadline")
+        running(lambda: not any(alive(pid) for pid in on_preempted), NOTICE_SECONDS + 120,
+                "Ray Train to end the group at the preemption's deadline")
         head.kill_node(preempted)
-        wait_for(lambda: any(e["to_workers"] == 1 for e in events_of(actor, "group_resized")[before:]), 600,
-                 "the group restarted with 1 worker")
+        running(lambda: any(e["to_workers"] == 1 for e in events_of(actor, "group_resized")[before:]), 600,
+                "the group restarted with 1 worker")
         shrunk = ray.get(actor.outer_step.remote())
         drivers["ap"] = start_region(config, "ap")  # a third cluster, mid-run
-        wait_for(lambda: ray.get(actor.outer_step.remote()) >= shrunk + 1, 600, "a round with 1 worker")
+        running(lambda: ray.get(actor.outer_step.remote()) >= shrunk + 1, 600, "a round with 1 worker")
         head.withhold_capacity(False)
-        wait_for(lambda: len(events_of(actor, "group_resized")) > before + 1, 600, "the group grew back to 2 workers")
+        running(lambda: len(events_of(actor, "group_resized")) > before + 1, 600, "the group grew back to 2 workers")
         for region, driver in drivers.items():
             assert driver.process.wait(timeout=900) == 0, f"{region}'s driver failed:\n{driver.output()[-3000:]}"
         node_labels = {n["NodeID"]: n.get("Labels", {}).get(REGION_LABEL) for n in ray.nodes()}  # dead ones too
         # The run is over: its nodes are idle, and the autoscaler terminates them (down to its minimum of 1).
         wait_for(lambda: len(head.worker_nodes()) == 1, 300, "the autoscaler to terminate the idle node")
-    except AssertionError as failure:  # what the drivers printed says why
-        raise AssertionError(f"{failure}\n" + "".join(f"--- {region}'s driver (end) ---\n{d.output()[-2500:]}\n"
-                                                      for region, d in drivers.items())) from None
+    except BaseException as failure:  # a wait, a dead actor, pytest's timeout: what the drivers printed says why
+        failure.add_note("".join(f"--- {region}'s driver (end) ---\n{d.output()[-2500:]}\n"
+                                 for region, d in drivers.items()))
+        raise
     finally:
-        end_drivers(drivers.values())
+        for driver in drivers.values():
+            driver.end()
         ray.shutdown()
         head.stop()
 
@@ -158,7 +168,7 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
     used = summary["worker_nodes"]["us"]  # every node that ran one of us's workers
     assert {node_labels.get(node) for node in used} == {"us"}, (used, node_labels)  # the autoscaler's, labelled us
     # The first node, the second (preempted), and one the autoscaler started for the group after the preemption.
-    assert preempted in used and set(used) - set(before_preemption), (used, before_preemption)
+    assert preempted in used and set(used) - set(used_before), (used, used_before)
     after_preemption = [e for e in summary["events"] if e["event"] == "group_resized"][before:]
     resized = [(e["from_workers"], e["to_workers"]) for e in after_preemption]
     assert resized[:2] == [(2, 1), (1, 2)], summary["events"]
@@ -186,15 +196,3 @@ def _worker_pids_on(actor, node_id: str, address: str) -> list[int]:
     """The pids of the region's workers on node `node_id` now."""
     return [pid for pid in ray.get(actor.worker_pids.remote()).values()
             if any(w.node_id == node_id for w in list_workers(address=address, filters=[("pid", "=", pid)]))]
-
-
-def end_drivers(drivers) -> None:
-    """Drivers a failed test left running: SIGTERM (each stops its run and its private Ray), then SIGKILL."""
-    running = [d for d in drivers if d.process.poll() is None]
-    for driver in running:
-        driver.stop()
-    for driver in running:
-        try:
-            driver.process.wait(60)
-        except subprocess.TimeoutExpired:
-            driver.process.kill()

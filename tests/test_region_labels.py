@@ -52,16 +52,17 @@ def test_each_region_runs_on_the_nodes_labelled_with_its_name(tmp_path):
         ray.init(address=head.address)  # this process only watches; the driver is a process of its own
         wait_for(lambda: len(head.worker_nodes()) == len(REGIONS), 300, "the autoscaler's two labelled nodes")
         driver = Driver(["--config", str(config), "--address", head.address], driver_env())
-        try:
-            placed = wait_for(lambda: _placement(cfg, head.address), 300,
-                              "every region's worker, SyncActor and data reader in Ray's state API")
-        except AssertionError as timeout:
-            raise AssertionError(f"{timeout}; last look: {LAST_LOOK}\n--- the driver (end) ---\n"
-                                 f"{driver.output()[-3000:]}") from None
-        assert driver.process.wait(timeout=600) == 0, driver.output()[-3000:]
+        placed = wait_for(lambda: _placement(cfg, head.address), 300,
+                          "every region's worker, SyncActor and data reader in Ray's state API",
+                          fail_if=lambda: driver.process.poll() is not None and "the driver ended")
+        assert driver.process.wait(timeout=600) == 0
+    except BaseException as failure:  # a wait, the run, pytest's timeout: the last look and the driver say why
+        failure.add_note(f"last look: {LAST_LOOK}" + (f"\n--- the driver (end) ---\n{driver.output()[-3000:]}"
+                                                      if driver else ""))
+        raise
     finally:
-        if driver is not None and driver.process.poll() is None:
-            driver.process.kill()  # the head, stopped next, takes the run's actors with it
+        if driver is not None:
+            driver.end()
         ray.shutdown()
         head.stop()
 

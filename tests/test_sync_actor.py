@@ -265,6 +265,8 @@ def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_posi
     rank0 = {**progress[0], "start": state["progress"]}
     step, _, _ = asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), 10, rank0))
     assert step == 2
+    actor.register_worker(0, 1, 301, "host", node="node-1")  # restarted on a node it had used before: listed once
+    assert actor.stats()["worker_nodes"] == ["node-0", "node-1", "node-2"]
 
 
 def test_an_overlapped_round_past_its_bound_is_abandoned_not_applied_under_a_restarted_group(tmp_path):
