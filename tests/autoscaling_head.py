@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import ray
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
-from conftest import RAY, descendants, free_port
+from conftest import RAY, descendants, free_port, kill
 
 
 class NodeType(NamedTuple):
@@ -166,14 +166,6 @@ class AutoscalingHead:
                 current.unlink()
         except OSError:
             pass  # none, or another cluster's
-
-
-def kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass  # gone meanwhile
 
 
 def session_processes(session: str) -> list[int]:

@@ -154,6 +154,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def kill(pids: list[int]) -> None:
+    """SIGKILL to each of `pids` still there (one gone meanwhile is no error)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie (an exited child not yet reaped still has a /proc entry)."""
     try:
@@ -242,11 +251,7 @@ class Driver:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        for pid in started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass  # ended with the driver
+        kill(started)
 
 
 class SameBatch:
