@@ -72,25 +72,55 @@ def small_run(tmp_path, name, workers, inner_steps=4, outer_steps=3, matchmaking
 
 
 class RunInThread:
-    """Runs `run_training` in a thread so a test can inject faults while it trains."""
+    """Runs a driver (`target(stop)`, e.g. `lambda stop: run_training(cfg, stop=stop)`) in a thread of the pytest
+    process, so a test can inject faults while it trains. A run the test leaves behind (it failed before `join`) is
+    aborted through its `RunStop` at the test's teardown (`end_runs_left_in_threads`), and waited for: a driver
+    thread going on into the module's teardown would call Ray after `ray.shutdown()`, attach again to the stopped
+    cluster, and Ray would end the whole pytest process without a word (it did so in CI, from tests/test_elastic.py
+    when that test still ran its driver in a thread)."""
+
+    left: list["RunInThread"] = []  # started and not joined yet
 
     def __init__(self, target):
+        from ray_diloco.stopping import RunStop
+
         self.result, self.error = None, None
+        self.stop = RunStop()  # never entered: no signal handlers (those belong to the main thread)
         self.thread = threading.Thread(target=self._run, args=(target,), daemon=True)
+        RunInThread.left.append(self)
         self.thread.start()
 
     def _run(self, target):
         try:
-            self.result = target()
+            self.result = target(self.stop)
         except BaseException as error:  # re-raised in join()
             self.error = error
 
     def join(self, timeout):
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"run did not finish within {timeout}s"
+        RunInThread.left.remove(self)
         if self.error:
             raise self.error
         return self.result
+
+    def end(self, timeout: float = 300) -> None:
+        """Abort the run now (as a second Ctrl-C would) and wait for its thread; says so if it does not end."""
+        if self.thread.is_alive():
+            self.stop.abort("the test ended before the run")
+            self.thread.join(timeout)
+        if self in RunInThread.left:
+            RunInThread.left.remove(self)
+        if self.thread.is_alive():
+            print(f"warning: a driver thread is still running {timeout:.0f} s after its abort", file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+def end_runs_left_in_threads():
+    """After each test, before any module fixture's teardown (`local_ray`'s `ray.shutdown()`): RunInThread.end."""
+    yield
+    while RunInThread.left:
+        RunInThread.left[-1].end()
 
 
 def named_actor(name: str, address: str):

@@ -33,7 +33,7 @@ def sync_actor(cfg, region):
 def test_worker_killed_inside_a_region_restarts_and_the_run_finishes(local_ray, tmp_path):
     cfg = small_run(tmp_path, "kill-worker", workers=[1, 2], inner_steps=3, outer_steps=3,
                     matchmaking_seconds=90.0, max_failures=1)
-    run = RunInThread(lambda: run_training(cfg))
+    run = RunInThread(lambda stop: run_training(cfg, stop=stop))
     actor = wait_for(lambda: sync_actor(cfg, "r1"), 180, "r1's SyncActor")
     wait_for(lambda: ray.get(actor.outer_step.remote()) >= 1, 300, "r1's first outer step")
     pids = ray.get(actor.worker_pids.remote())
@@ -60,7 +60,7 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
     matchmaking, steps = 15.0, 12  # steps: the run still going when the joiner has started (a minute or more)
     cfg = small_run(tmp_path / "first", "come-and-go", workers=[1, 1, 1], inner_steps=3, outer_steps=steps,
                     matchmaking_seconds=matchmaking, max_failures=0)
-    run = RunInThread(lambda: run_training(cfg))
+    run = RunInThread(lambda stop: run_training(cfg, stop=stop))
     victim = wait_for(lambda: sync_actor(cfg, "r2"), 180, "r2's SyncActor")
     wait_for(lambda: ray.get(victim.outer_step.remote()) >= 1, 300, "r2's first outer step")
     run_pids = run_process_ids(cfg.run.name, ["r0", "r1", "r2"])
@@ -75,7 +75,7 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
         cfg, regions=[RegionConfig(name="r3", workers=1)],
         outer=dataclasses.replace(cfg.outer, initial_peers=ray.get(first.multiaddrs.remote())),
         run=dataclasses.replace(cfg.run, output_dir=str(tmp_path / "joiner"), max_failures=1))  # the default
-    joined = RunInThread(lambda: run_training(joiner_cfg))
+    joined = RunInThread(lambda stop: run_training(joiner_cfg, stop=stop))
     summary, joiner = run.join(timeout=900), joined.join(timeout=900)
 
     assert_gone(run_pids)  # a run whose region failed leaves no process behind either
@@ -126,7 +126,7 @@ def test_a_killed_run_resumes_to_the_model_of_an_uninterrupted_run(local_ray, tm
     reference = run_training(config("straight"))
 
     cfg = config("stopped")
-    run = RunInThread(lambda: run_training(cfg))
+    run = RunInThread(lambda stop: run_training(cfg, stop=stop))
     stores = {r: CheckpointStore(join(cfg.run.checkpoint_root(), r)) for r in ("r0", "r1")}
     wait_for(lambda: all((s.latest_step() or 0) >= 1 for s in stores.values()), 400, "checkpoints of step 1")
     actors = [sync_actor(cfg, r) for r in ("r0", "r1")]

@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from conftest import Driver, assert_gone, driver_env
+from conftest import Driver, RunInThread, assert_gone, driver_env
 from ray_diloco.cli import main
 from ray_diloco.config import ConfigError, ExperimentConfig
 from ray_diloco.stopping import RunStop, RunStopped
@@ -57,6 +57,24 @@ def test_a_baseline_run_has_no_boundary_to_wait_for_and_stops_at_once(capsys):
         time.sleep(0.1)
         assert stop.deadline_passed()
     assert "no outer step to stop at: stopping now" in capsys.readouterr().out
+
+
+def test_a_run_a_test_leaves_in_a_thread_is_aborted_from_another_thread_and_waited_for():
+    """`RunStop.abort` works from any thread: conftest.RunInThread.end (the teardown of a test that failed before
+    joining its run) aborts a driver waiting in training, as the driver's wait loop sees it, and waits for it."""
+    seen = []
+
+    def driver(stop):  # what the driver's wait does while its groups train: look at the deadline
+        stop.start_training([None])
+        while not stop.deadline_passed():
+            time.sleep(0.05)
+        seen.append(stop.forced)
+
+    run = RunInThread(driver)
+    assert run in RunInThread.left
+    time.sleep(0.2)
+    run.end(timeout=10)
+    assert not run.thread.is_alive() and seen == [True] and run not in RunInThread.left
 
 
 def test_after_training_a_signal_lets_the_driver_finish(capsys):
