@@ -130,9 +130,11 @@ def wait_until_dead(actors: list[Any], timeout: float = RELEASE_SECONDS) -> list
 
 
 def _not_dead(actor: Any) -> bool:
-    """False once Ray reports the actor dead; an answer, or none within a second, counts as alive."""
+    """False once Ray reports the actor dead; an answer, or none within a second, counts as alive. No retries: for
+    an actor that retries its calls (RegionStream), the call that found it killed was retried and Ray printed a
+    `Task ….__ray_ready__ failed … will be retried` line at the end of every run."""
     try:
-        ray.get(actor.__ray_ready__.remote(), timeout=1)
+        ray.get(actor.__ray_ready__.options(max_task_retries=0).remote(), timeout=1)
     except ray.exceptions.RayActorError:
         return False
     except ray.exceptions.GetTimeoutError:
