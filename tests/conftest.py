@@ -104,23 +104,40 @@ class RunInThread:
             raise self.error
         return self.result
 
-    def end(self, timeout: float = 300) -> None:
-        """Abort the run now (as a second Ctrl-C would) and wait for its thread; says so if it does not end."""
+    def end(self, timeout: float = 300) -> str | None:
+        """Abort the run now (as a second Ctrl-C would) and wait for its thread and the `fit-<region>` threads it
+        started (an abort gives them a grace period and returns without them). Returns what is still running
+        after `timeout`, if anything. The driver's own error, other than the stop the abort caused, is printed:
+        it is often why the test failed."""
+        from ray_diloco.stopping import RunStopped
+
+        deadline = time.monotonic() + timeout
         if self.thread.is_alive():
             self.stop.abort("the test ended before the run")
             self.thread.join(timeout)
+        for thread in [t for t in threading.enumerate() if t.name.startswith("fit-")]:
+            thread.join(max(0.0, deadline - time.monotonic()))
         if self in RunInThread.left:
             RunInThread.left.remove(self)
-        if self.thread.is_alive():
-            print(f"warning: a driver thread is still running {timeout:.0f} s after its abort", file=sys.stderr)
+        if self.error is not None and not isinstance(self.error, RunStopped):
+            print(f"the driver thread's error: {self.error!r}", file=sys.__stderr__, flush=True)
+        left = [t.name for t in threading.enumerate() if t is self.thread or t.name.startswith("fit-")]
+        return f"{left} still running {timeout:.0f} s after the abort" if left else None
 
 
 @pytest.fixture(autouse=True)
-def end_runs_left_in_threads():
-    """After each test, before any module fixture's teardown (`local_ray`'s `ray.shutdown()`): RunInThread.end."""
+def end_runs_left_in_threads(request):
+    """After each test, before any module fixture's teardown (`local_ray`'s `ray.shutdown()`): RunInThread.end.
+    pytest-timeout's timer (setup, test and teardown together) is stopped first: a test failing near its limit
+    must not have this wait cut short, which would leave the driver running into `ray.shutdown()`."""
     yield
-    while RunInThread.left:
-        RunInThread.left[-1].end()
+    if not RunInThread.left:
+        return
+    getattr(request.node, "cancel_timeout", lambda: None)()
+    left = [problem for run in list(RunInThread.left) if (problem := run.end())]
+    if left:  # Ray would end this process at the driver's next call after ray.shutdown(): say so where it shows
+        print(f"driver threads still running: {left}", file=sys.__stderr__, flush=True)
+        pytest.fail(f"driver threads still running after their abort: {left}", pytrace=False)
 
 
 def named_actor(name: str, address: str):

@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from conftest import Driver, RunInThread, assert_gone, driver_env
+from conftest import Driver, RunInThread, assert_gone, driver_env, wait_for
 from ray_diloco.cli import main
 from ray_diloco.config import ConfigError, ExperimentConfig
 from ray_diloco.stopping import RunStop, RunStopped
@@ -72,8 +72,8 @@ def test_a_run_a_test_leaves_in_a_thread_is_aborted_from_another_thread_and_wait
 
     run = RunInThread(driver)
     assert run in RunInThread.left
-    time.sleep(0.2)
-    run.end(timeout=10)
+    wait_for(lambda: run.stop.phase == "training", 10, "the driver in training")
+    assert run.end(timeout=10) is None
     assert not run.thread.is_alive() and seen == [True] and run not in RunInThread.left
 
 
