@@ -265,8 +265,8 @@ def run_training(cfg: ExperimentConfig, address: str | None = None,
     the cluster's resources before any actor starts. `before_shutdown(actors)` sees the SyncActors after
     training (tests read recorded rounds there; passing it makes the actors record every round's θ_region).
     SIGTERM and SIGINT are handled from the first line to the last (`RunStop`; the CLI passes the one it installed
-    before its own checks): a stop before training raises `RunStopped`; one during training ends it at an
-    outer-step boundary; one after training lets it finish."""
+    before its own checks; a test driving a run from a thread passes one it aborts): a stop before training raises
+    `RunStopped`; one during training ends it at an outer-step boundary; one after training lets it finish."""
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(contextlib.nullcontext(stop) if stop is not None else RunStop())

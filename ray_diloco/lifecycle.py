@@ -135,6 +135,8 @@ def _not_dead(actor: Any) -> bool:
     `Task ….__ray_ready__ failed … will be retried` line at the end of every run."""
     try:
         ray.get(actor.__ray_ready__.options(max_task_retries=0).remote(), timeout=1)
+    except ray.exceptions.ActorUnavailableError:  # a RayActorError too, but not dead: "may be available later"
+        return True
     except ray.exceptions.RayActorError:
         return False
     except ray.exceptions.GetTimeoutError:

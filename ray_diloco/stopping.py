@@ -42,7 +42,8 @@ class RunStopped(BaseException):
 
 class RunStop:
     """The driver's signal handling (main thread only: Python allows no other). Use as a context manager around
-    the whole run; `reinstall()` after anything that sets its own handler (`ray.init` does)."""
+    the whole run; `reinstall()` after anything that sets its own handler (`ray.init` does). A driver run in
+    another thread (tests/conftest.py's RunInThread) gets one never entered: no handlers, `abort()` its only stop."""
 
     def __init__(self, timeout: float = 0.0):
         self.timeout = timeout  # run.stop_timeout_seconds (set once the config is known)
@@ -108,7 +109,7 @@ class RunStop:
 
     def abort(self, why: str) -> None:
         """Stop now, without a checkpoint: this driver may no longer write the run's files (its lease on a
-        region was taken over). Safe from any thread."""
+        region was taken over), or a test ended before its run. Safe from any thread."""
         print(f"[driver] {why}: stopping now, without a checkpoint", flush=True)
         self.requested_at = self.requested_at or time.monotonic()
         self.forced = True
