@@ -25,6 +25,7 @@ POLL_SECONDS = 0.25
 ABORT_GRACE_SECONDS = 20.0
 # How long each run-scoped actor gets to end by itself (close its reader, shut down Hivemind) before ray.kill.
 RELEASE_SECONDS = 15.0
+FIT_THREAD_PREFIX = "fit-"  # each region's fit() thread: "fit-<region>" (tests wait for what an abort left running)
 
 
 class RegionAborted(RuntimeError):
@@ -41,7 +42,7 @@ def fit_in_background(fit, trainer: Any, actor: Any, name: str) -> Future:
         except BaseException as error:  # fit catches training errors; anything else is reported here
             future.set_exception(error)
 
-    threading.Thread(target=target, name=f"fit-{name}", daemon=True).start()
+    threading.Thread(target=target, name=f"{FIT_THREAD_PREFIX}{name}", daemon=True).start()
     return future
 
 

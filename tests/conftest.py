@@ -109,19 +109,20 @@ class RunInThread:
         started (an abort gives them a grace period and returns without them). Returns what is still running
         after `timeout`, if anything. The driver's own error, other than the stop the abort caused, is printed:
         it is often why the test failed."""
+        from ray_diloco.lifecycle import FIT_THREAD_PREFIX
         from ray_diloco.stopping import RunStopped
 
         deadline = time.monotonic() + timeout
         if self.thread.is_alive():
             self.stop.abort("the test ended before the run")
             self.thread.join(timeout)
-        for thread in [t for t in threading.enumerate() if t.name.startswith("fit-")]:
+        for thread in [t for t in threading.enumerate() if t.name.startswith(FIT_THREAD_PREFIX)]:
             thread.join(max(0.0, deadline - time.monotonic()))
         if self in RunInThread.left:
             RunInThread.left.remove(self)
         if self.error is not None and not isinstance(self.error, RunStopped):
             print(f"the driver thread's error: {self.error!r}", file=sys.__stderr__, flush=True)
-        left = [t.name for t in threading.enumerate() if t is self.thread or t.name.startswith("fit-")]
+        left = [t.name for t in threading.enumerate() if t is self.thread or t.name.startswith(FIT_THREAD_PREFIX)]
         return f"{left} still running {timeout:.0f} s after the abort" if left else None
 
 
