@@ -57,12 +57,17 @@ def make_delta(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
 def start_regions(n: int, run_id: str = "run", compression: str = "fp16", expected: int | None = None,
                   names: list[str] | None = None, **kwargs) -> list[RegionAverager]:
     names = names or [f"r{i}" for i in range(n)]
-    first = RegionAverager(run_id=run_id, region=names[0], expected_regions=expected or n,
-                           compression=compression, **kwargs)
-    peers = first.visible_multiaddrs()
-    return [first] + [RegionAverager(run_id=run_id, region=name, expected_regions=expected or n,
-                                     compression=compression, initial_peers=peers, **kwargs)
-                      for name in names[1:]]
+    started = [RegionAverager(run_id=run_id, region=names[0], expected_regions=expected or n,
+                              compression=compression, **kwargs)]
+    peers = started[0].visible_multiaddrs()
+    try:
+        for name in names[1:]:
+            started.append(RegionAverager(run_id=run_id, region=name, expected_regions=expected or n,
+                                          compression=compression, initial_peers=peers, **kwargs))
+    except BaseException:  # the DHT processes already started would outlive pytest (its exit waits on them)
+        shutdown(started)
+        raise
+    return started
 
 
 def run_round(calls: list[tuple], timeout: float = 60.0) -> list[RoundResult]:
