@@ -23,11 +23,12 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_diloco.actor_by_name import ActorByName
 from ray_diloco.checkpoint import CheckpointStore, join
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
-from ray_diloco.data.pipeline import DataCounters, build_region_datasets
-from ray_diloco.data.stream import RegionStream
+from ray_diloco.data.pipeline import DataCounters, region_dataset_recipes
+from ray_diloco.data.stream import RegionStream, quiet_data_context
 from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
 from ray_diloco.live_summary import LiveSummary
@@ -203,13 +204,14 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     return actors
 
 
-def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], datasets: list[Any], counters: Any) -> list[Any]:
-    """One `RegionStream` per group: the one reader of its region's data, on the region's nodes. Not Ray Train's
-    dataset split: a rank's rows there depend on the worker count, and an elastic group changes it."""
+def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], recipes: list[Any], counters: Any) -> list[Any]:
+    """One `RegionStream` per group: the one reader of its region's data, on the region's nodes, building its
+    dataset from its recipe. Not Ray Train's dataset split: a rank's rows there depend on the worker count, and
+    an elastic group changes it."""
     streams = []
-    for group, dataset in zip(groups, datasets):
+    for group, make_dataset in zip(groups, recipes):
         options = {"name": run_actor_name("stream", cfg, group.name), **actor_placement(group)}
-        streams.append(RegionStream.options(**options).remote(dataset, cfg.data.batch_size, counters))
+        streams.append(RegionStream.options(**options).remote(make_dataset, cfg.data.batch_size, counters))
     return streams
 
 
@@ -333,18 +335,19 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
                  stop: RunStop | None = None) -> TrainingOutcome:
     """Start the run-scoped actors and one Ray Train group per region (or baseline group), wait for them. Every
     actor started here is ended here, whatever happens (`lifecycle.release`)."""
-    # Progress bars and execution plans of Ray Data interleave with the status lines; per-step lines say more.
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = context.print_on_execution_start = False
+    quiet_data_context()
     actors: list[Any] = [None] * len(groups)
     streams: list[Any] = []
     evaluator = live = None
     # This driver's regions in the name: a second driver of the run in the same cluster (a region joining from
     # another config) has its own counters and evaluator.
     drivers_regions = "+".join(g.name for g in groups)
-    counters = DataCounters.options(name=run_actor_name("data", cfg, drivers_regions), **on_driver_node()).remote()
+    counters_name = run_actor_name("data", cfg, drivers_regions)
+    counters = DataCounters.options(name=counters_name, **on_driver_node()).remote()
+    # Its readers get its name, not this handle (a handle in a RegionStream's arguments makes Ray log an error).
+    counters_by_name = ActorByName(counters_name)
     try:
-        datasets = region_datasets(cfg, groups, counters)
+        recipes = dataset_recipes(cfg, groups, counters_by_name)
         # Beside the driver where nodes come and go (an elastic region); anywhere else (it needs a CPU share).
         placement = on_driver_node() if any(g.elastic for g in groups) else {}
         if cfg.run.eval_every:
@@ -354,7 +357,7 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
             actors = start_sync_actors(cfg, resume, record_rounds=before_shutdown is not None, evaluator=evaluator)
             live = LiveSummary([g.name for g in groups], actors, evaluator, cfg.run.outer_steps,
                                patience=2 * cfg.outer.matchmaking_seconds)
-        streams = start_streams(cfg, groups, datasets, counters)
+        streams = start_streams(cfg, groups, recipes, counters_by_name)
         evaluator_name = run_actor_name("eval", cfg, drivers_regions) if evaluator is not None else None
         trainers = [make_trainer(cfg, group, evaluator_name) for group in groups]
         if stop is not None:
@@ -376,12 +379,13 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
                            RELEASE_SECONDS)
 
 
-def region_datasets(cfg: ExperimentConfig, groups: list[RegionConfig], counters: Any) -> list[Any]:
+def dataset_recipes(cfg: ExperimentConfig, groups: list[RegionConfig], counters: Any) -> list[Any]:
+    """Each group's dataset recipe (`pipeline.region_dataset_recipes`)."""
     if cfg.run.mode == "diloco":  # the split follows the run's full region list (other clusters run the rest)
         names = [r.name for r in cfg.regions]
-        return build_region_datasets(cfg.data, len(names), cfg.run.seed, counters,
-                                     [names.index(g.name) for g in groups])
-    return build_region_datasets(cfg.data, len(groups), cfg.run.seed, counters)
+        return region_dataset_recipes(cfg.data, len(names), cfg.run.seed, counters,
+                                      [names.index(g.name) for g in groups])
+    return region_dataset_recipes(cfg.data, len(groups), cfg.run.seed, counters)
 
 
 def collect_outcome(cfg: ExperimentConfig, groups: list[RegionConfig], actors: list[Any], outcomes: list,

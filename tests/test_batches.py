@@ -106,7 +106,7 @@ def test_groups_of_other_sizes_continue_the_regions_stream_exactly(ray_for_data)
     """2 workers for 2 steps, then 1 worker for 3 steps (a scale-in), then 2 again (a scale-out): the windows
     trained are the region's first 9 batches, across epochs, and the fingerprint says so."""
     ds = ray.data.from_numpy(windows(10)).rename_columns({"data": "input_ids"})
-    stream = RegionStream.remote(ds, 3)
+    stream = RegionStream.remote(lambda: ds, 3)
     trained, position = [], None
     for world_size, steps in ((2, 2), (1, 3), (2, 1)):
         taken, position = train_group(stream, world_size, steps, position)
@@ -125,12 +125,14 @@ def test_groups_of_other_sizes_continue_the_regions_stream_exactly(ray_for_data)
 
 
 def test_an_empty_dataset_error_gives_the_skipped_count(ray_for_data):
+    from ray_diloco.actor_by_name import ActorByName
     from ray_diloco.data.pipeline import DataCounters
 
-    counters = DataCounters.remote()
+    counters = DataCounters.options(name="counters-of-an-empty-dataset").remote()
     ray.get(counters.add.remote(b"batch", 7, 0, 0, 0))
     ds = ray.data.from_numpy(windows(2)).rename_columns({"data": "input_ids"})  # fewer windows than a batch
-    stream = RegionStream.remote(ds, 3, counters)
+    # By name, as the driver hands them over: the stream looks the counters up when it needs the count.
+    stream = RegionStream.remote(lambda: ds, 3, ActorByName("counters-of-an-empty-dataset"))
     batches = WorkerBatches(stream, "cpu", 0, 1)
     with pytest.raises(RuntimeError, match=r"no training windows .* no batch of 3 windows; check data.path.*7 rec"):
         batches.next()

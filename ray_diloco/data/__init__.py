@@ -22,6 +22,7 @@ _WHERE = {
     "load_eval_windows": "eval_set",
     "pack_documents": "packing",
     "parse_c4_lines": "packing",
+    "region_dataset_recipes": "pipeline",
     "split_files_across_regions": "files",
 }
 

@@ -8,8 +8,10 @@ task, the training workers hold the CPUs and the stream stalls.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -191,16 +193,25 @@ def region_file_shares(cfg: DataConfig, num_regions: int, seed: int) -> list[lis
     return split_files_across_regions(list_data_files(cfg.path or embedded_train_dir()), num_regions, seed)
 
 
-def build_region_datasets(
+def region_dataset_recipes(
     cfg: DataConfig, num_regions: int, seed: int, counters: Any = None, indices: list[int] | None = None
-) -> list[ray.data.Dataset]:
-    """The datasets of regions `indices` (default: all) of a run of `num_regions`, from `cfg.hf_dataset`,
-    `cfg.path`, or the embedded C4 sample. The split depends on the whole run, not on which regions this
-    driver runs, so drivers in different Ray clusters read disjoint shares."""
+) -> list[Callable[[], ray.data.Dataset]]:
+    """How to build the datasets of regions `indices` (default: all) of a run of `num_regions`, from
+    `cfg.hf_dataset`, `cfg.path`, or the embedded C4 sample: calls with plain arguments (the region's files),
+    made where the dataset is read. A built dataset holds object refs (Ray Data's read plan), and an actor given
+    one as an argument makes Ray log an error at its start (`actor_by_name`). The split depends on the whole run,
+    not on which regions this driver runs, so drivers in different Ray clusters read disjoint shares."""
     indices = list(range(num_regions)) if indices is None else indices
     if cfg.hf_dataset:
-        return [build_hf_region_dataset(cfg, r, num_regions, counters) for r in indices]
+        return [functools.partial(build_hf_region_dataset, cfg, r, num_regions, counters) for r in indices]
     shares = region_file_shares(cfg, num_regions, seed)
     for region in indices:
         logger.info("region %d reads %d file(s): %s", region, len(shares[region]), shares[region])
-    return [build_region_dataset(cfg, shares[r], counters) for r in indices]
+    return [functools.partial(build_region_dataset, cfg, shares[r], counters) for r in indices]
+
+
+def build_region_datasets(
+    cfg: DataConfig, num_regions: int, seed: int, counters: Any = None, indices: list[int] | None = None
+) -> list[ray.data.Dataset]:
+    """The datasets of `region_dataset_recipes`, built here."""
+    return [make() for make in region_dataset_recipes(cfg, num_regions, seed, counters, indices)]

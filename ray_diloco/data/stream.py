@@ -93,12 +93,23 @@ class PositionalReader:
         return batch, self.epoch, self.epoch_batches
 
 
+def quiet_data_context() -> None:
+    """No Ray Data progress bars or execution plans in this process: they interleave with the run's status lines
+    (through Ray's log stream), and the per-step lines say more."""
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = context.print_on_execution_start = False
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RegionStream:
     """The reader of one region's dataset (see the module docstring). `counters`: a `DataCounters` handle, only
     for the skipped-record count in the error raised when the data has no batch at all."""
 
-    def __init__(self, dataset: ray.data.Dataset, batch_size: int, counters: Any = None):
+    def __init__(self, make_dataset: Callable[[], ray.data.Dataset], batch_size: int, counters: Any = None):
+        # Built here, from its recipe (`pipeline.region_dataset_recipes`): a dataset passed in would carry
+        # object refs in this actor's arguments, which Ray logs as an error at every start.
+        quiet_data_context()
+        dataset = make_dataset()
         dataset.context.execution_options.preserve_order = True  # the same order in every read
         self.dataset, self.batch_size, self.counters = dataset, batch_size, counters
         self.reader = PositionalReader(self._new_epoch, self._no_batch_error)
