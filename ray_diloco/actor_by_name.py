@@ -16,7 +16,8 @@ import ray
 
 class ActorByName:
     """Stands in for the handle of the actor `name` in `namespace` (default: the caller's): attribute access
-    (`counters.add.remote(...)`) looks the handle up once per process and forwards to it. Pickles as the name."""
+    (`counters.add.remote(...)`) looks the handle up on first use and forwards to it. Pickles as the name: each
+    unpickled copy (one per Ray Data map task) looks it up again, one GCS call."""
 
     def __init__(self, name: str, namespace: str | None = None):
         self.name = name

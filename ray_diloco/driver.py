@@ -28,7 +28,7 @@ from ray_diloco.checkpoint import CheckpointStore, join
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
 from ray_diloco.data.eval_set import evaluate_loss, load_eval_windows
 from ray_diloco.data.pipeline import DataCounters, region_dataset_recipes
-from ray_diloco.data.stream import RegionStream, quiet_data_context
+from ray_diloco.data.stream import RegionStream
 from ray_diloco import metrics
 from ray_diloco.evaluator import Evaluator
 from ray_diloco.live_summary import LiveSummary
@@ -54,6 +54,7 @@ REGION_LABEL = "ray.io/availability-region"
 # How long the driver waits for what its actors report at the end (stats, θ_global, the evaluation curve): an
 # answer queued behind a slow evaluation must not hold a stopped driver past Ray's stop wait.
 RESULT_SECONDS = 120.0
+STREAM_PREPARE_SECONDS = 60.0  # how long start-up waits for the region streams to list their data
 API_SERVER_ENV_VAR = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 
 
@@ -212,6 +213,11 @@ def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], recipes: li
     for group, make_dataset in zip(groups, recipes):
         options = {"name": run_actor_name("stream", cfg, group.name), **actor_placement(group)}
         streams.append(RegionStream.options(**options).remote(make_dataset, cfg.data.batch_size, counters))
+    # A region's unreadable data fails the run here, before training. A stream whose nodes are not up yet (an
+    # autoscaler starting them) is not waited for: it builds its dataset at its first batch.
+    prepared = [stream.prepare.remote() for stream in streams]
+    ready, _ = ray.wait(prepared, num_returns=len(prepared), timeout=STREAM_PREPARE_SECONDS)
+    ray.get(ready)
     return streams
 
 
@@ -335,7 +341,6 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
                  stop: RunStop | None = None) -> TrainingOutcome:
     """Start the run-scoped actors and one Ray Train group per region (or baseline group), wait for them. Every
     actor started here is ended here, whatever happens (`lifecycle.release`)."""
-    quiet_data_context()
     actors: list[Any] = [None] * len(groups)
     streams: list[Any] = []
     evaluator = live = None

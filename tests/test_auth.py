@@ -139,7 +139,7 @@ def test_members_average_together_and_an_intruder_cannot_join_their_group(networ
 
     def averager(node, region, secret):
         return RegionAverager(run_id=RUN, region=region, expected_regions=3, dht=node, matchmaking_seconds=3,
-                              averaging_timeout=20, compression="none", secret=secret,
+                              averaging_timeout=40, compression="none", secret=secret,
                               members_key=members_key if secret and gated else None)
 
     averagers = {"a": averager(a, "region-a", SECRET), "b": averager(b, "region-b", SECRET),
@@ -168,6 +168,7 @@ def test_members_average_together_and_an_intruder_cannot_join_their_group(networ
             # failure of the round, not a way in for the forger.
             completed = [r for r in (ra, rb) if r.consistent]
             assert completed, (ra, rb, results["x"])
+            assert all("Timeout" in r.error for r in (ra, rb) if not r.consistent), (ra.error, rb.error)
             for r in completed:
                 assert r.group_size == 2 and torch.equal(r.averaged["w"], torch.full((6, 4), 2.0)), r
             # The refusal, in a round's forked averager, reaches the region (the SyncActor makes it an event).

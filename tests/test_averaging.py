@@ -59,8 +59,8 @@ def start_regions(n: int, run_id: str = "run", compression: str = "fp16", expect
     names = names or [f"r{i}" for i in range(n)]
     started = [RegionAverager(run_id=run_id, region=names[0], expected_regions=expected or n,
                               compression=compression, **kwargs)]
-    peers = started[0].visible_multiaddrs()
     try:
+        peers = started[0].visible_multiaddrs()
         for name in names[1:]:
             started.append(RegionAverager(run_id=run_id, region=name, expected_regions=expected or n,
                                           compression=compression, initial_peers=peers, **kwargs))

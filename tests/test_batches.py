@@ -4,6 +4,7 @@ two streams apart when one saw a window twice or skipped one; data with no batch
 says why (not a bare StopIteration)."""
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -137,4 +138,23 @@ def test_an_empty_dataset_error_gives_the_skipped_count(ray_for_data):
     with pytest.raises(RuntimeError, match=r"no training windows .* no batch of 3 windows; check data.path.*7 rec"):
         batches.next()
     ray.kill(counters)
+    ray.kill(stream)
+
+
+def test_a_failed_dataset_build_fails_that_call_and_the_stream_builds_it_at_the_next(ray_for_data, tmp_path):
+    """Built on first use, not in the constructor (Ray never restarts an actor whose constructor raised)."""
+    ds = ray.data.from_numpy(windows(10)).rename_columns({"data": "input_ids"})
+    marker = str(tmp_path / "failed-once")
+
+    def fails_once():  # as a listing of S3 or the Hub can while a stream restarts (defined here: pickled by value)
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            raise OSError("listing failed (a passing error)")
+        return ds
+
+    stream = RegionStream.remote(fails_once, 3)
+    with pytest.raises(ray.exceptions.RayTaskError, match="listing failed"):
+        ray.get(stream.prepare.remote())
+    batch, epoch, read = ray.get(stream.take.remote(0))  # the same actor, alive, builds it now
+    assert batch.tolist() == expected_batch(0).tolist() and (epoch, read) == (0, 1)
     ray.kill(stream)

@@ -137,7 +137,7 @@ def build_region_dataset(
 ) -> ray.data.Dataset:
     """The windows of one region's files (from `list_data_files` / `split_files_across_regions`).
 
-    `counters`: an optional `DataCounters.remote()` handle; read it with
+    `counters`: an optional `DataCounters.remote()` handle (or its `ActorByName`); read it with
     `ray.get(counters.get.remote())` after consuming the dataset.
     """
     fs, paths = filesystem_for(files)
@@ -199,8 +199,10 @@ def region_dataset_recipes(
     """How to build the datasets of regions `indices` (default: all) of a run of `num_regions`, from
     `cfg.hf_dataset`, `cfg.path`, or the embedded C4 sample: calls with plain arguments (the region's files),
     made where the dataset is read. A built dataset holds object refs (Ray Data's read plan), and an actor given
-    one as an argument makes Ray log an error at its start (`actor_by_name`). The split depends on the whole run,
-    not on which regions this driver runs, so drivers in different Ray clusters read disjoint shares."""
+    one as an argument makes Ray log an error at its start (`actor_by_name`); so would a recipe over ~100 KiB
+    (Ray puts such an argument in the object store), thousands of long file URIs per region. The split depends on
+    the whole run, not on which regions this driver runs, so drivers in different Ray clusters read disjoint
+    shares."""
     indices = list(range(num_regions)) if indices is None else indices
     if cfg.hf_dataset:
         return [functools.partial(build_hf_region_dataset, cfg, r, num_regions, counters) for r in indices]

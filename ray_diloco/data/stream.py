@@ -9,7 +9,8 @@ round recorded and goes on with no window twice and none skipped.
 
 `RegionStream` is the one reader of a region's dataset: a Ray actor that keeps a small buffer of batches read
 ahead for the other ranks. It is a cache, nothing more: any batch can be read again from the dataset, so the
-actor restarts (a lost node) with nothing to recover, and a request for a batch it no longer holds re-reads.
+actor restarts (a lost node) with nothing to recover but its dataset, built again from the same recipe (the
+region's file list; its files are listed again), and a request for a batch it no longer holds re-reads.
 Ray Train's own split (`streaming_split`) cannot do this: which rows a rank gets depends on the worker count.
 
 Cost: a group that (re)starts behind the reader — every restart, resize or resume — makes it re-read the current
@@ -102,20 +103,35 @@ def quiet_data_context() -> None:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RegionStream:
-    """The reader of one region's dataset (see the module docstring). `counters`: a `DataCounters` handle, only
-    for the skipped-record count in the error raised when the data has no batch at all."""
+    """The reader of one region's dataset (see the module docstring). `counters`: a `DataCounters` handle or
+    `ActorByName`, only for the skipped-record count in the error raised when the data has no batch at all.
+
+    The dataset is built here, from its recipe (`pipeline.region_dataset_recipes`): a built dataset passed in would
+    carry object refs in this actor's arguments, which Ray logs as an error at every start. It is built on first
+    use, not in the constructor: Ray never restarts an actor whose constructor raised, so a passing error (S3, the
+    Hub) while a restarted stream lists its files would end the region's data for good; here it fails that call,
+    and the next one tries again. The driver calls `prepare` first, so that bad data fails the run at its start."""
 
     def __init__(self, make_dataset: Callable[[], ray.data.Dataset], batch_size: int, counters: Any = None):
-        # Built here, from its recipe (`pipeline.region_dataset_recipes`): a dataset passed in would carry
-        # object refs in this actor's arguments, which Ray logs as an error at every start.
-        quiet_data_context()
-        dataset = make_dataset()
-        dataset.context.execution_options.preserve_order = True  # the same order in every read
-        self.dataset, self.batch_size, self.counters = dataset, batch_size, counters
+        self.make_dataset, self.batch_size, self.counters = make_dataset, batch_size, counters
+        self.dataset: ray.data.Dataset | None = None
         self.reader = PositionalReader(self._new_epoch, self._no_batch_error)
 
+    def prepare(self) -> None:
+        """Build the dataset now (listing its files): its errors reach the driver before any training starts."""
+        self._built()
+
+    def _built(self) -> ray.data.Dataset:
+        if self.dataset is None:
+            quiet_data_context()
+            dataset = self.make_dataset()
+            dataset.context.execution_options.preserve_order = True  # the same order in every read
+            self.dataset = dataset
+        return self.dataset
+
     def _new_epoch(self) -> Iterator[np.ndarray]:
-        batches = iter(self.dataset.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=True))
+        batches = iter(self._built().iter_batches(batch_size=self.batch_size, batch_format="numpy",
+                                                  drop_last=True))
         try:
             for batch in batches:
                 yield batch[COLUMN]
