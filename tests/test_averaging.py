@@ -57,13 +57,16 @@ def make_delta(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
 def start_regions(n: int, run_id: str = "run", compression: str = "fp16", expected: int | None = None,
                   names: list[str] | None = None, **kwargs) -> list[RegionAverager]:
     names = names or [f"r{i}" for i in range(n)]
-    started = [RegionAverager(run_id=run_id, region=names[0], expected_regions=expected or n,
-                              compression=compression, **kwargs)]
+
+    def start(name: str, **peers) -> RegionAverager:
+        return RegionAverager(run_id=run_id, region=name, expected_regions=expected or n, compression=compression,
+                              **peers, **kwargs)
+
+    started = [start(names[0])]
     try:
         peers = started[0].visible_multiaddrs()
         for name in names[1:]:
-            started.append(RegionAverager(run_id=run_id, region=name, expected_regions=expected or n,
-                                          compression=compression, initial_peers=peers, **kwargs))
+            started.append(start(name, initial_peers=peers))
     except BaseException:  # the DHT processes already started would outlive pytest (its exit waits on them)
         shutdown(started)
         raise

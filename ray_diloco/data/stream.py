@@ -94,7 +94,7 @@ class PositionalReader:
         return batch, self.epoch, self.epoch_batches
 
 
-def quiet_data_context() -> None:
+def _quiet_data_context() -> None:
     """No Ray Data progress bars or execution plans in this process: they interleave with the run's status lines
     (through Ray's log stream), and the per-step lines say more."""
     context = ray.data.DataContext.get_current()
@@ -123,7 +123,7 @@ class RegionStream:
 
     def _built(self) -> ray.data.Dataset:
         if self.dataset is None:
-            quiet_data_context()
+            _quiet_data_context()
             dataset = self.make_dataset()
             dataset.context.execution_options.preserve_order = True  # the same order in every read
             self.dataset = dataset
