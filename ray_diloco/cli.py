@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -178,6 +179,9 @@ def _regions_from_flag(value: str, template: RegionConfig, workers: int) -> list
         names = [name.strip() for name in value.split(",") if name.strip()]
         if not names:
             raise ConfigError("--regions: give a count (3) or comma-separated names (us,eu)")
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:  # the config's own check would name its field (`regions:`), not the flag the user typed
+            raise ConfigError(f"--regions: each region once, got {', '.join(repeated)} more than once")
     try:
         return [dataclasses.replace(template, name=name, workers=workers) for name in names]
     except ConfigError as error:
@@ -287,9 +291,12 @@ def train(cfg: ExperimentConfig, address: str | None) -> int:
 
     try:
         with RunStop(cfg.run.stop_timeout_seconds) as stop:
+            from ray_diloco.resources import check_local_machine
             from ray_diloco.run_setup import prepare_run, training_groups
 
             # Every input is checked before Ray, torch and the driver are even imported: a bad flag costs seconds.
+            if not (address or os.environ.get("RAY_ADDRESS")):  # the driver will start a private Ray on this machine
+                check_local_machine(training_groups(cfg), os.cpu_count() or 1)
             prepared = prepare_run(cfg, training_groups(cfg))
             from ray_diloco.driver import run_training
 

@@ -37,7 +37,8 @@ from ray_diloco.network import reach_warning, region_network
 from ray_diloco.outcome import (TrainingOutcome, baseline_outcome, build_summary, canonical_index,
                                 finished_elsewhere)
 from ray_diloco.plots import write_loss_png
-from ray_diloco.resources import EVALUATOR_CPUS, check_cluster, check_fits, local_cpus_for, run_needs
+from ray_diloco.resources import (EVALUATOR_CPUS, check_cluster, check_fits, check_local_machine, local_cpus_for,
+                                  run_needs)
 from ray_diloco.run_setup import PreparedRun, prepare_run, resume_plan, training_groups
 from ray_diloco.run_storage import held_regions
 from ray_diloco.methods.settings import describe_outer
@@ -72,6 +73,7 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
         context = ray.init(address=address, **quiet)
         what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
     else:
+        check_local_machine(groups, os.cpu_count() or 1)
         cpus = local_cpus_for(cfg, groups, os.cpu_count() or 1)
         # This machine is the whole cluster: a run it cannot hold (GPUs it lacks) fails before Ray starts.
         check_fits(run_needs(cfg, groups), {"CPU": cpus, "GPU": torch.cuda.device_count()}, None)

@@ -40,6 +40,24 @@ def total(parts: dict[str, float]) -> float:
     return sum(parts.values())
 
 
+# A private local Ray gives every worker a logical CPU of its own, cores or not (`local_cpus_for`): the workers
+# take turns on the cores. Past this many per core a run only thrashes the machine (each worker is a process with
+# torch, transformers and Ray loaded: 0.5 GB before its model, measured), and a stop then outlasts Ray's own timeouts.
+LOCAL_WORKERS_PER_CORE = 8
+
+
+def check_local_machine(groups: list[RegionConfig], cores: int) -> None:
+    """Raise ConfigError when a private local Ray would start more training workers than this machine can
+    take turns on (checked before Ray starts; a cluster attached with --address is sized by `check_cluster`)."""
+    workers = sum(g.max_workers for g in groups)
+    limit = LOCAL_WORKERS_PER_CORE * cores
+    if workers > limit:
+        raise ConfigError(f"--workers-per-region: the run starts up to {workers} training workers on this machine's "
+                          f"{cores} core(s) through a private local Ray; more than {LOCAL_WORKERS_PER_CORE} per core "
+                          f"({limit}) only thrash it: lower --workers-per-region (regions[].workers) or --regions, "
+                          "or run on a cluster (--address)")
+
+
 def local_cpus_for(cfg: ExperimentConfig, groups: list[RegionConfig], cores: int) -> int:
     """Logical CPUs of a private local Ray: every worker and actor gets a slot even on a 2-core machine
     (they take turns on the cores; torch threads per worker are pinned)."""

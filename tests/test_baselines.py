@@ -3,6 +3,7 @@
 and bad inputs end in one line with exit code 2 before any work, writing nothing."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -63,6 +64,18 @@ def test_records_without_text_are_refused_before_ray(tmp_path):
     assert done.returncode == 2 and "--data: " in done.stderr and "'text'" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and seconds < 5
     assert not (tmp_path / "out").exists()
+
+
+def test_more_workers_than_this_machine_can_take_turns_on_fail_before_ray_starts(tmp_path):
+    from ray_diloco.resources import LOCAL_WORKERS_PER_CORE
+
+    workers = LOCAL_WORKERS_PER_CORE * os.cpu_count() + 1
+    done, seconds = cli("--regions", "1", "--workers-per-region", str(workers), "--output-dir", str(tmp_path / "out"),
+                        cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--workers-per-region: the run starts up to {workers} training workers" in lines[0]
+    assert "started a private local Ray" not in done.stdout and not (tmp_path / "out").exists() and seconds < 5
 
 
 def test_a_gpu_preset_on_a_machine_without_gpus_fails_before_ray_starts(tmp_path):

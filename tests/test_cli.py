@@ -23,6 +23,11 @@ def test_regions_flag_keeps_the_presets_per_worker_resources():
     assert [(r.name, r.workers, r.gpus_per_worker) for r in named.regions] == [("us", 2, 1.0), ("eu", 2, 1.0)]
 
 
+def test_a_region_named_twice_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match=r"^--regions: each region once, got eu more than once$"):
+        resolved("--regions", "us,eu,eu")
+
+
 @pytest.mark.parametrize("flag", ["--workers-per-region", "--inner-steps", "--outer-steps"])
 def test_zero_is_refused_naming_the_flag(flag):
     with pytest.raises(ConfigError, match=f"^{flag}: must be >= 1, got 0"):

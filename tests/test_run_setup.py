@@ -13,7 +13,7 @@ from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ConfigError
 from ray_diloco.continuation import config_changes
 from ray_diloco.presets import tiny_cpu
-from ray_diloco.resources import check_fits, run_needs
+from ray_diloco.resources import check_fits, check_local_machine, run_needs
 from ray_diloco.run_setup import resume_plan, training_groups
 from ray_diloco.sync.policy import choose_resume_steps
 
@@ -114,6 +114,17 @@ def test_resources_that_do_not_fit_are_one_line_naming_the_fix():
     gpu = dataclasses.replace(cfg, regions=[dataclasses.replace(r, gpus_per_worker=1) for r in cfg.regions])
     with pytest.raises(ConfigError, match="^the run needs 2 GPU"):
         check_fits(run_needs(gpu, training_groups(gpu)), {"CPU": 64.0}, None)
+
+
+def test_a_private_local_ray_takes_at_most_8_workers_per_core_counting_a_range_at_its_maximum():
+    cfg = tiny_cpu()
+    regions = [dataclasses.replace(cfg.regions[0], name="a", workers=8),
+               dataclasses.replace(cfg.regions[0], name="b", workers="2..8")]
+    check_local_machine(regions, cores=2)  # 16 workers: 8 per core
+    with pytest.raises(ConfigError, match=r"^--workers-per-region: the run starts up to 17 training workers on this "
+                                          r"machine's 2 core\(s\).*more than 8 per core \(16\)"):
+        check_local_machine([*regions, dataclasses.replace(cfg.regions[0], name="c", workers=1)], cores=2)
+    check_local_machine([*regions, dataclasses.replace(cfg.regions[0], name="c", workers=1)], cores=3)
 
 
 def test_the_exported_state_is_the_canonical_one_not_the_first_regions():
