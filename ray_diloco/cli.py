@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -291,13 +290,14 @@ def train(cfg: ExperimentConfig, address: str | None) -> int:
 
     try:
         with RunStop(cfg.run.stop_timeout_seconds) as stop:
-            from ray_diloco.resources import check_local_machine
-            from ray_diloco.run_setup import prepare_run, training_groups
+            from ray_diloco.resources import check_local_machine, local_cores
+            from ray_diloco.run_setup import cluster_address, prepare_run, training_groups
 
             # Every input is checked before Ray, torch and the driver are even imported: a bad flag costs seconds.
-            if not (address or os.environ.get("RAY_ADDRESS")):  # the driver will start a private Ray on this machine
-                check_local_machine(training_groups(cfg), os.cpu_count() or 1)
-            prepared = prepare_run(cfg, training_groups(cfg))
+            groups = training_groups(cfg)
+            prepared = prepare_run(cfg, groups)
+            if cluster_address(address) is None:  # the driver would start a private Ray here: too big fails now
+                check_local_machine(groups, local_cores())
             from ray_diloco.driver import run_training
 
             summary = run_training(cfg, address=address, prepared=prepared, stop=stop)

@@ -37,9 +37,9 @@ from ray_diloco.network import reach_warning, region_network
 from ray_diloco.outcome import (TrainingOutcome, baseline_outcome, build_summary, canonical_index,
                                 finished_elsewhere)
 from ray_diloco.plots import write_loss_png
-from ray_diloco.resources import (EVALUATOR_CPUS, check_cluster, check_fits, check_local_machine, local_cpus_for,
-                                  run_needs)
-from ray_diloco.run_setup import PreparedRun, prepare_run, resume_plan, training_groups
+from ray_diloco.resources import (EVALUATOR_CPUS, check_cluster, check_fits, check_local_machine, local_cores,
+                                  local_cpus_for, run_needs)
+from ray_diloco.run_setup import PreparedRun, cluster_address, prepare_run, resume_plan, training_groups
 from ray_diloco.run_storage import held_regions
 from ray_diloco.methods.settings import describe_outer
 from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release_all, wait_for_groups,
@@ -66,15 +66,15 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
     (`ray.init()` would attach to it, and refuses `num_cpus` then)."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(address)
     # WARNING: Ray's INFO start-up lines repeat what the driver prints below.
     quiet = dict(logging_level=logging.WARNING, include_dashboard=True, job_config=job_metadata(cfg, groups))
     if address:
         context = ray.init(address=address, **quiet)
         what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
     else:
-        check_local_machine(groups, os.cpu_count() or 1)
-        cpus = local_cpus_for(cfg, groups, os.cpu_count() or 1)
+        check_local_machine(groups, local_cores())  # again for callers of run_training (benchmarks, tests)
+        cpus = local_cpus_for(cfg, groups, local_cores())
         # This machine is the whole cluster: a run it cannot hold (GPUs it lacks) fails before Ray starts.
         check_fits(run_needs(cfg, groups), {"CPU": cpus, "GPU": torch.cuda.device_count()}, None)
         context = start_private_ray(cpus, **quiet)

@@ -9,6 +9,7 @@ saying what is needed, what is there, and which flag changes it.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from ray_diloco.config import ConfigError, ExperimentConfig, RegionConfig
@@ -42,20 +43,28 @@ def total(parts: dict[str, float]) -> float:
 
 # A private local Ray gives every worker a logical CPU of its own, cores or not (`local_cpus_for`): the workers
 # take turns on the cores. Past this many per core a run only thrashes the machine (each worker is a process with
-# torch, transformers and Ray loaded: 0.5 GB before its model, measured), and a stop then outlasts Ray's own timeouts.
+# torch, transformers and Ray loaded: 0.5 GB before its model, measured), and a stop then outlasts Ray's own
+# timeouts. Only CPU training workers count: GPU workers are bounded by the machine's GPUs (`check_fits`), and
+# the few processes per region beside them (SyncActor, data stream) are not what made such a run thrash.
 LOCAL_WORKERS_PER_CORE = 8
 
 
+def local_cores() -> int:
+    """The cores this process may run on: a container's or `taskset`'s share, not the host's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def check_local_machine(groups: list[RegionConfig], cores: int) -> None:
-    """Raise ConfigError when a private local Ray would start more training workers than this machine can
-    take turns on (checked before Ray starts; a cluster attached with --address is sized by `check_cluster`)."""
-    workers = sum(g.max_workers for g in groups)
+    """Raise ConfigError when a private local Ray would start more CPU training workers than this machine can
+    take turns on (a range counts at its maximum: the private Ray is sized for it). A cluster attached with
+    --address is sized by `check_cluster` instead."""
+    workers = sum(g.max_workers for g in groups if not g.gpus_per_worker)
     limit = LOCAL_WORKERS_PER_CORE * cores
     if workers > limit:
-        raise ConfigError(f"--workers-per-region: the run starts up to {workers} training workers on this machine's "
-                          f"{cores} core(s) through a private local Ray; more than {LOCAL_WORKERS_PER_CORE} per core "
-                          f"({limit}) only thrash it: lower --workers-per-region (regions[].workers) or --regions, "
-                          "or run on a cluster (--address)")
+        raise ConfigError(f"--workers-per-region: the run starts up to {workers} training workers (all regions of "
+                          f"this driver) on this machine's {cores} core(s) through a private local Ray; more than "
+                          f"{LOCAL_WORKERS_PER_CORE} per core ({limit}) only thrash it: lower --workers-per-region "
+                          "(regions[].workers) or --regions, or run on a cluster (--address)")
 
 
 def local_cpus_for(cfg: ExperimentConfig, groups: list[RegionConfig], cores: int) -> int:

@@ -79,6 +79,12 @@ def in_ray_job() -> bool:
     return RAY_JOB_ENV_VAR in os.environ
 
 
+def cluster_address(address: str | None) -> str | None:
+    """The Ray cluster a driver attaches to: --address, else RAY_ADDRESS (`ray job submit` sets it); None: the
+    driver starts a private local Ray on this machine."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def resolve_paths(cfg: ExperimentConfig) -> ExperimentConfig:
     """Absolute output and checkpoint paths (actors' working directories differ from ours): relative ones
     resolve against the directory `ray-diloco` started in, or the home directory inside a Ray job."""

@@ -3,7 +3,6 @@
 and bad inputs end in one line with exit code 2 before any work, writing nothing."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -66,16 +65,25 @@ def test_records_without_text_are_refused_before_ray(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_more_workers_than_this_machine_can_take_turns_on_fail_before_ray_starts(tmp_path):
-    from ray_diloco.resources import LOCAL_WORKERS_PER_CORE
+def test_more_workers_than_this_machine_can_take_turns_on_fail_before_ray_starts(tmp_path, monkeypatch, capsys):
+    # In this process, with the driver replaced: were the check to break, no Ray of hundreds of workers starts.
+    import ray_diloco.driver
+    from ray_diloco.resources import LOCAL_WORKERS_PER_CORE, local_cores
 
-    workers = LOCAL_WORKERS_PER_CORE * os.cpu_count() + 1
-    done, seconds = cli("--regions", "1", "--workers-per-region", str(workers), "--output-dir", str(tmp_path / "out"),
-                        cwd=tmp_path)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    lines = done.stderr.strip().splitlines()
+    def reached(*args, **kwargs):
+        raise AssertionError("the driver was reached")
+
+    monkeypatch.setattr(ray_diloco.driver, "run_training", reached)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    workers = LOCAL_WORKERS_PER_CORE * local_cores() + 1
+    assert main(["train", "--regions", "1", "--workers-per-region", str(workers), "--output-dir",
+                 str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"--workers-per-region: the run starts up to {workers} training workers" in lines[0]
-    assert "started a private local Ray" not in done.stdout and not (tmp_path / "out").exists() and seconds < 5
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("RAY_ADDRESS", "203.0.113.7:6379")  # a cluster (`ray job submit`): sized by check_cluster
+    with pytest.raises(AssertionError, match="the driver was reached"):
+        main(["train", "--regions", "1", "--workers-per-region", str(workers), "--output-dir", str(tmp_path / "out")])
 
 
 def test_a_gpu_preset_on_a_machine_without_gpus_fails_before_ray_starts(tmp_path):

@@ -121,10 +121,13 @@ def test_a_private_local_ray_takes_at_most_8_workers_per_core_counting_a_range_a
     regions = [dataclasses.replace(cfg.regions[0], name="a", workers=8),
                dataclasses.replace(cfg.regions[0], name="b", workers="2..8")]
     check_local_machine(regions, cores=2)  # 16 workers: 8 per core
-    with pytest.raises(ConfigError, match=r"^--workers-per-region: the run starts up to 17 training workers on this "
-                                          r"machine's 2 core\(s\).*more than 8 per core \(16\)"):
+    with pytest.raises(ConfigError, match=r"^--workers-per-region: the run starts up to 17 training workers \(all "
+                                          r"regions of this driver\) on this machine's 2 core\(s\).*more than 8 per "
+                                          r"core \(16\)"):
         check_local_machine([*regions, dataclasses.replace(cfg.regions[0], name="c", workers=1)], cores=2)
     check_local_machine([*regions, dataclasses.replace(cfg.regions[0], name="c", workers=1)], cores=3)
+    gpus = dataclasses.replace(cfg.regions[0], name="g", workers=64, gpus_per_worker=1)
+    check_local_machine([*regions, gpus], cores=2)  # GPU workers are bounded by the GPUs (check_fits), not here
 
 
 def test_the_exported_state_is_the_canonical_one_not_the_first_regions():
