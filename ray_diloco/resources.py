@@ -49,9 +49,16 @@ def total(parts: dict[str, float]) -> float:
 LOCAL_WORKERS_PER_CORE = 8
 
 
-def local_cores() -> int:
-    """The cores this process may run on: a container's or `taskset`'s share, not the host's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def local_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may run on: a container's or `taskset`'s share, not the host's count
+    (`docker --cpus 2` sets a cgroup quota, `cpu.max` "200000 100000", and leaves the affinity at every core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open(cpu_max) as limits:
+            quota, period = limits.read().split()[:2]
+        return max(1, min(cores, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
+        return cores
 
 
 def check_local_machine(groups: list[RegionConfig], cores: int) -> None:

@@ -13,7 +13,7 @@ from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint, join
 from ray_diloco.config import ConfigError
 from ray_diloco.continuation import config_changes
 from ray_diloco.presets import tiny_cpu
-from ray_diloco.resources import check_fits, check_local_machine, run_needs
+from ray_diloco.resources import check_fits, check_local_machine, local_cores, run_needs
 from ray_diloco.run_setup import resume_plan, training_groups
 from ray_diloco.sync.policy import choose_resume_steps
 
@@ -128,6 +128,16 @@ def test_a_private_local_ray_takes_at_most_8_workers_per_core_counting_a_range_a
     check_local_machine([*regions, dataclasses.replace(cfg.regions[0], name="c", workers=1)], cores=3)
     gpus = dataclasses.replace(cfg.regions[0], name="g", workers=64, gpus_per_worker=1)
     check_local_machine([*regions, gpus], cores=2)  # GPU workers are bounded by the GPUs (check_fits), not here
+
+
+def test_the_local_cores_are_the_affinity_bounded_by_a_cgroup_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    for content, expected in [("max 100000\n", affinity), ("150000 100000\n", min(affinity, 2)),
+                              ("50000 100000\n", 1), (f"{100000 * (affinity + 4)} 100000\n", affinity)]:
+        cpu_max.write_text(content)
+        assert local_cores(str(cpu_max)) == expected, content
+    assert local_cores(str(tmp_path / "absent")) == affinity
 
 
 def test_the_exported_state_is_the_canonical_one_not_the_first_regions():
