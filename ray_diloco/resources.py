@@ -42,10 +42,11 @@ def total(parts: dict[str, float]) -> float:
 
 
 # A private local Ray gives every worker a logical CPU of its own, cores or not (`local_cpus_for`): the workers
-# take turns on the cores. Past this many per core a run only thrashes the machine (each worker is a process with
-# torch, transformers and Ray loaded: 0.5 GB before its model, measured), and a stop then outlasts Ray's own
-# timeouts. Only CPU training workers count: GPU workers are bounded by the machine's GPUs (`check_fits`), and
-# the few processes per region beside them (SyncActor, data stream) are not what made such a run thrash.
+# take turns on the cores. Past this many per core (a judgement, not a measured threshold) a run only thrashes the
+# machine (each worker is a process with torch, transformers and Ray loaded: 0.5 GB before its model, measured),
+# and a stop then outlasts Ray's own timeouts. Only CPU training workers count: GPU workers are bounded by the
+# machine's GPUs (`check_fits`), and the few processes per region beside them (SyncActor, data stream) are not what
+# made such a run thrash.
 LOCAL_WORKERS_PER_CORE = 8
 
 
