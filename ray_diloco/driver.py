@@ -73,8 +73,9 @@ def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionC
         context = ray.init(address=address, **quiet)
         what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
     else:
-        check_local_machine(groups, local_cores())  # again for callers of run_training (benchmarks, tests)
-        cpus = local_cpus_for(cfg, groups, local_cores())
+        cores = local_cores()
+        check_local_machine(groups, cores)  # again for callers of run_training (benchmarks, tests)
+        cpus = local_cpus_for(cfg, groups, cores)
         # This machine is the whole cluster: a run it cannot hold (GPUs it lacks) fails before Ray starts.
         check_fits(run_needs(cfg, groups), {"CPU": cpus, "GPU": torch.cuda.device_count()}, None)
         context = start_private_ray(cpus, **quiet)
