@@ -41,6 +41,8 @@ class Rules:
     stored_finals: bool = True  # a finished region's final state stays in the run's storage (sync/durable.py)
     chase_bound: bool = True  # a rendezvous stops re-syncing at its give-up time even while adoptions succeed
     abandon_hung_rounds: bool = True  # (the actor before d8d263f) a hung round failed the group (Ray Train)
+    # (the actor before this was found) an overlapped round abandoned at the next round was not counted in a row
+    count_overlapped_hangs: bool = True
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,14 @@ class Schedule:
     leave_after_finish: float | None = None  # a finished region's driver exits then: its DHT record and server go
     checkpoint_every: int = 1  # run.checkpoint_every: a crash resumes from the last multiple (and replays since)
     nonfinite: frozenset[tuple[str, int]] = frozenset()  # (region, data window) whose Δ is NaN/inf (each time it is trained)
-    # (region, data window) whose blocking round hangs, once: its Hivemind node stops answering (a DHT call that
-    # never returns; its record is no longer refreshed) until the round is given up at `policy.round_bound`
+    # (region, data window) whose round hangs, once: its Hivemind node stops answering (a DHT call that never
+    # returns; its record is no longer refreshed) until the round is given up at `policy.round_bound` (a blocking
+    # round), or the next round has waited that long for it (an overlapped one)
     hangs: frozenset[tuple[str, int]] = frozenset()
+    # (region, data window) whose blocking round hangs, once, right after its outer step (the store of its new
+    # record never returns): the round finishes in the background and the next round abandons it. Not the run's
+    # last round (a hang in the settling after it is not modelled).
+    hangs_after_step: frozenset[tuple[str, int]] = frozenset()
     max_failures: int = 1  # run.max_failures: a region whose group failed more often leaves the run
     split_steps: frozenset[int] = frozenset()  # outer steps whose round forms two groups (once): every other member
 
@@ -101,6 +108,9 @@ class _Region:
     overlapped: tuple | None = None
     round_ended: float = 0.0
     abandoned_in_a_row: int = 0  # the SyncActor's count (`policy.overdue_round`); a group restart keeps it
+    hung_in_flight: tuple | None = None  # a round hung in flight: (the state its node no longer serves,)
+    # What the simulator saw (not the actor's count): rounds abandoned in a row with no round ended nor group failed
+    seen_abandoned: int = 0
 
 
 @dataclass
@@ -118,6 +128,8 @@ class Outcome:
     replayed: dict[str, int] = field(default_factory=dict)  # region -> windows trained again after a crash
     stops: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it stopped at, checkpointed)
     abandoned: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each abandoned round
+    abandoned_in_flight: list[tuple[str, int]] = field(default_factory=list)  # ... of those, abandoned in flight
+    finished_in_background: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it applied)
     failures: dict[str, int] = field(default_factory=dict)  # region -> its group's failures (Ray Train restarts)
     splits: list[int] = field(default_factory=list)  # outer steps whose round formed two groups
     partial_reads: int = 0  # records a read missed or saw in an older version (RegionPlan.partial_views)

@@ -18,11 +18,16 @@ NaN/inf sits the round out and re-syncs from a newer state with `policy.Resync`,
 `Schedule.hangs`: a region's blocking round hangs (its Hivemind node stops answering; its record expires) until
 `policy.round_bound`, then `policy.overdue_round` abandons it (the workers go on at the same step, the region
 re-syncs at its next round: `Outcome.abandoned`) or, the third in a row, fails the group (a Ray Train restart,
-`Outcome.failures`; past `Schedule.max_failures` the region leaves the run). An overlapped round that hangs (the
-next round abandons it, `_abandon_in_flight`) is not modelled.
+`Outcome.failures`; past `Schedule.max_failures` the region leaves the run). An overlapped round that hangs is
+abandoned by the next round once it has waited `round_bound` for it (`policy.overdue_in_flight`, counted in the
+same row; `Outcome.abandoned_in_flight`), or by the handshake of a group that restarts meanwhile.
+`Schedule.hangs_after_step`: a blocking round whose node hangs right after its outer step finishes in the
+background (`policy.overdue_round`: FINISH_IN_BACKGROUND; `Outcome.finished_in_background`), and the next round
+abandons it the same way. A hang in the settling after the run's last round is not modelled.
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
-`policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound` and `overdue_round`; what
+`policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round` and
+`overdue_in_flight`; what
 it still re-implements is the loop that strings them together (the SyncActor's exchange, `_complete_round` and
 `_run_round`).
 
@@ -108,6 +113,9 @@ class Simulator(World):
         if restart is not None:  # the group dies mid-window and restarts: the window is trained again
             region.overlapped = None  # from θ_global: the restarted group takes the actor's state
             yield max(restart, self.now) - self.now + s.restart_seconds
+            if region.hung_in_flight is not None:  # as resume_state: it waits the bound for it, then abandons it
+                yield self._bound()
+                self._node_answers(region)
             region.round_ended = self.now
             return None
         yield duration
@@ -126,6 +134,16 @@ class Simulator(World):
         """As SyncActorImpl._complete_round and its round: overlap or block, sit a non-finite round out, or
         rendezvous, average and step. Returns True when the region ended."""
         name, rules, s = region.plan.name, self.rules, self.s
+        if region.hung_in_flight is not None:  # as SyncActorImpl._complete_round: the round in flight first
+            if (yield from self._overdue_in_flight(region)) == policy.FAIL:
+                region.overlapped = None
+                self._consume(region, window)
+                return (yield from self._group_failed(region))
+            # Its update never comes: the workers' Δ is taken against θ_global, which then holds the progress of
+            # both windows (SyncActorImpl._drop_overlap_base).
+            base_theta = {k: v.clone() for k, v in region.outer.global_state().items()}
+            delta = region.outer.pseudo_gradient(local)
+        handed_in = self.now
         # As SyncActorImpl._complete_round: the deadline counts from when the region would be in had its last
         # round blocked (= now without overlap).
         arrived = (policy.round_arrival(self.now, region.round_ended, self.now - started)
@@ -143,6 +161,10 @@ class Simulator(World):
             if not (yield from self._sit_out(region)):
                 return True
             result = None
+        elif region.overlapped is not None and (name, window) in self.hangs:  # an overlapped round that hangs
+            self.hangs.discard((name, window))
+            self._hang_in_flight(region)
+            return (yield from self._after_round(region, window, arrived, before_round, advanced=False))
         elif region.overlapped is None and (name, window) in self.hangs:  # a blocking round that hangs
             self.hangs.discard((name, window))
             if (yield from self._hang(region)) != policy.ABANDON:
@@ -154,14 +176,21 @@ class Simulator(World):
             result = yield from self._rendezvous(region, arrived, delta)
         if result is False:
             return True
-        if region.overlapped is None and not abandoned:  # a blocking round that ended within its bound
-            region.abandoned_in_a_row = 0
+        hangs_after_step = (region.overlapped is None and result is not None and (name, window) in self.hangs_after_step
+                            and region.outer.step_count + 1 < s.target)
+        if not abandoned and not hangs_after_step:  # a round ended (SyncActorImpl._round): the node answers
+            region.abandoned_in_a_row = region.seen_abandoned = 0
         region.round_ended = self.now
         if result is not None:
             averaged, consistent, group, log = result
             rules.outer_step(region.outer, averaged, region.plan.cpu)
             region.digest = state_digest(region.outer.global_state())
-            self.publish(region, policy.published_group(group, consistent))
+            if hangs_after_step:
+                self.hangs_after_step.discard((name, window))
+                self._publish_hung(region, policy.published_group(group, consistent))
+                yield from self._finish_in_background(region, handed_in)
+            else:
+                self.publish(region, policy.published_group(group, consistent))
             log["after"][name] = full_key(region.outer)
         return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned))
 
@@ -169,12 +198,12 @@ class Simulator(World):
         """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
         DHT call: nothing is published or refreshed (its record expires, its state is not served) until the round
         is given up at `policy.round_bound`. Returns `policy.overdue_round`'s action (the old rule: FAIL). The hang
-        is before the outer step: a round that applied it and then hung (FINISH_IN_BACKGROUND) is not modelled."""
+        is before the outer step (one after it: `_publish_hung`, `_finish_in_background`)."""
         name = region.plan.name
         if name in self.dht:
             self.dht[name][1] = min(self.dht[name][1], self.now + self.s.ttl)
         served = self.served.pop(name, None)
-        yield policy.round_bound(self.s.max_wait, self.s.averaging_timeout, self.download_bound())
+        yield self._bound()
         if served is not None:
             self.served[name] = served
         self._store(name, region.incarnation)  # its node answers again: the sharer's refresh stores the record
@@ -182,9 +211,77 @@ class Simulator(World):
             return policy.FAIL
         action, region.abandoned_in_a_row = policy.overdue_round(applied=False,
                                                                  abandoned_in_a_row=region.abandoned_in_a_row)
+        self._saw(region, action)
+        return action
+
+    def _hang_in_flight(self, region: _Region) -> None:
+        """An overlapped round whose region's Hivemind node stops answering at its first DHT call: its record is
+        no longer refreshed and its state no longer served, while the workers train the next window."""
+        name = region.plan.name
+        if name in self.dht:
+            self.dht[name][1] = min(self.dht[name][1], self.now + self.s.ttl)
+        region.hung_in_flight = (self.served.pop(name, None),)
+
+    def _publish_hung(self, region: _Region, group: int) -> None:
+        """As Membership._publish when the region's Hivemind node stops answering at the store: the record counts as
+        published (the sharer stores it when the node answers again); until then the old one expires and nothing
+        is served."""
+        name = region.plan.name
+        before = self.dht.get(name)  # what the DHT holds: the record before (the store never reaches it)
+        self.publish(region, group)
+        if before is None:
+            self.dht.pop(name, None)
+        else:
+            self.dht[name] = list(before)
+        self._hang_in_flight(region)
+
+    def _finish_in_background(self, region: _Region, handed_in: float):
+        """As SyncActorImpl._blocking_round: the round is still running at its bound, counted from the hand-in, with
+        its outer step applied: `policy.overdue_round` lets it finish in the background (the workers go on from
+        the new state) and the next round waits for it (`_overdue_in_flight`)."""
+        yield max(0.0, handed_in + self._bound() - self.now)
+        action, region.abandoned_in_a_row = policy.overdue_round(applied=True,
+                                                                 abandoned_in_a_row=region.abandoned_in_a_row)
+        assert action == policy.FINISH_IN_BACKGROUND, action
+        self.out.finished_in_background.append((region.plan.name, region.outer.step_count))
+
+    def _overdue_in_flight(self, region: _Region):
+        """As SyncActorImpl._complete_round: the next round waits `policy.round_bound` for the hung round in flight,
+        then abandons it (`policy.overdue_in_flight`: or fails the workers, the limit-th in a row). Returns the
+        action (the old rule: ABANDON, never counted)."""
+        yield self._bound()
+        self._node_answers(region)
+        if not self.rules.count_overlapped_hangs:
+            action = policy.ABANDON
+        else:
+            action, region.abandoned_in_a_row = policy.overdue_in_flight(region.abandoned_in_a_row)
+        self.out.abandoned_in_flight.append((region.plan.name, region.outer.step_count))
+        self._saw(region, action)
+        return action
+
+    def _bound(self) -> float:
+        return policy.round_bound(self.s.max_wait, self.s.averaging_timeout, self.download_bound())
+
+    def _node_answers(self, region: _Region) -> None:
+        """The hung round is given up: the region's node answers again and the sharer's refresh stores its record."""
+        (served,), region.hung_in_flight = region.hung_in_flight, None
+        if served is not None:
+            self.served[region.plan.name] = served
+        self._store(region.plan.name, region.incarnation)
+
+    def _saw(self, region: _Region, action: str) -> None:
+        """The simulator's own count of rounds abandoned in a row: a region whose Hivemind node stays hung must fail
+        its workers by the ABANDONED_ROUNDS_LIMIT-th (Ray Train's restarts, then it leaves the run), not train on
+        without ever averaging, each abandoned round leaving a thread blocked."""
+        name = region.plan.name
         if action == policy.ABANDON:
             self.out.abandoned.append((name, region.outer.step_count))
-        return action
+            region.seen_abandoned += 1
+            if region.seen_abandoned >= policy.ABANDONED_ROUNDS_LIMIT:
+                self.out.violations.append(f"bounded: {name} abandoned {region.seen_abandoned} rounds in a row "
+                                           "and trained on")
+        elif action == policy.FAIL:
+            region.seen_abandoned = 0
 
     def _consume(self, region: _Region, window: int) -> None:
         """The window's batches were read: the region's data position moves past it."""

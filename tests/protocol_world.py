@@ -42,6 +42,7 @@ class World:
         self.pending: dict[int, list[_Request]] = {}
         self.failing = set(schedule.failing_steps)
         self.hangs = set(schedule.hangs)  # each hangs once
+        self.hangs_after_step = set(schedule.hangs_after_step)
         self.splitting = set(schedule.split_steps)  # each splits once
         self.regions: dict[str, _Region] = {}
         self.alive: dict[str, int] = {}  # region -> live incarnation (0: down)

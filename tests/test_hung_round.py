@@ -22,12 +22,12 @@ BOUND = 4.0  # the actor's bound cut to seconds (it is minutes: max_wait, the av
 
 
 @contextlib.contextmanager
-def hung_region(tmp_path, name: str, hang_seconds: float):
+def hung_region(tmp_path, name: str, hang_seconds: float, outer_steps: int = 3, overlap: bool = False):
     """Regions r0 and r1 (real SyncActors and Hivemind in this process) where r0's DHT reads do not answer until
     the test sets `released` (or `hang_seconds` pass: bounded, so a test also ends before the fix), and r0's bound is
     BOUND. Yields (r0, r1, released, r0's own read of the records)."""
-    cfg = config(tmp_path, name, [1, 1], matchmaking_seconds=MM, outer_steps=3)
-    cfg["outer"]["max_wait_seconds"] = 3.0
+    cfg = config(tmp_path, name, [1, 1], matchmaking_seconds=MM, outer_steps=outer_steps)
+    cfg["outer"].update(max_wait_seconds=3.0, overlap=overlap)
     a = SyncActorImpl(cfg, "r0")
     b = None
     released = threading.Event()
@@ -99,3 +99,32 @@ def test_rounds_abandoned_one_after_the_other_end_in_an_error_for_ray_train_to_h
     assert f"{ABANDONED_ROUNDS_LIMIT} rounds in a row did not end" in steps[-1], steps
     assert [e["in_a_row"] for e in a.events if e["event"] == "round_abandoned"] == list(
         range(1, ABANDONED_ROUNDS_LIMIT + 1))
+
+
+def test_overlapped_rounds_that_hang_one_after_the_other_also_end_in_an_error(tmp_path):
+    """The same hung DHT with outer.overlap: each round runs while the workers train the next window, and the next
+    exchange abandons it after the bound. These abandoned rounds count too: before, they were never counted, and
+    the region trained on for ever without averaging, each abandoned round leaving a thread blocked."""
+    from ray_diloco.sync.policy import ABANDONED_ROUNDS_LIMIT
+
+    # No round here is the run's last (that one blocks).
+    with hung_region(tmp_path, "hung-overlapped", hang_seconds=120, outer_steps=10 * ABANDONED_ROUNDS_LIMIT,
+                     overlap=True) as (a, _, released, _):
+
+        async def windows():
+            steps, step = [], 0
+            for window in range(ABANDONED_ROUNDS_LIMIT + 1):  # the first round's abandon comes with the second
+                try:
+                    step = (await asyncio.wait_for(a.exchange(step, 0, 1, trained(a, window), tokens=1000), 60))[0]
+                    steps.append(step)
+                except RuntimeError as error:
+                    steps.append(str(error))
+                    break
+            released.set()
+            return steps
+
+        steps = asyncio.run(windows())
+    assert steps[:-1] == [1] * ABANDONED_ROUNDS_LIMIT, steps  # handed back at once, each a window ahead
+    assert f"{ABANDONED_ROUNDS_LIMIT} rounds in a row did not end" in str(steps[-1]), steps
+    assert [e["in_a_row"] for e in a.events if e["event"] == "overlapped_round_abandoned"] == list(
+        range(1, ABANDONED_ROUNDS_LIMIT + 1)), a.events

@@ -251,3 +251,13 @@ def test_an_overdue_round_finishes_in_the_background_is_abandoned_or_fails_the_w
     assert overdue_round(applied=False, abandoned_in_a_row=3) == (FAIL, 4)  # and every one after, until one ends
     # 2 rendezvous/settling waits, 2 all-reduces, 6 downloads, a minute of slack: 2·30 + 2·10 + 6·25 + 60
     assert round_bound(max_wait=30.0, averaging_timeout=10.0, download=25.0) == 290.0
+
+
+def test_a_round_still_in_flight_at_the_next_rounds_bound_is_abandoned_and_counted_in_the_same_row():
+    from ray_diloco.sync.policy import ABANDON, FAIL, overdue_in_flight
+
+    # Whether or not it applied its step: the next round has waited a whole bound for it already.
+    assert overdue_in_flight(abandoned_in_a_row=0) == (ABANDON, 1)
+    assert overdue_in_flight(abandoned_in_a_row=1) == (ABANDON, 2)
+    assert overdue_in_flight(abandoned_in_a_row=2) == (FAIL, 3)  # the third in a row, blocking or overlapped
+    assert overdue_in_flight(abandoned_in_a_row=5) == (FAIL, 6)

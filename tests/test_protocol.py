@@ -4,12 +4,13 @@ Hypothesis draws schedules of 2-4 regions: window times with persistent skew and
 outages (reads and publishes), partial and stale DHT views, worker-group restarts at any moment, departures, late
 joins, crashes that come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and
 resubmissions, rounds with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths,
-hosts' clocks apart and drifting, slow or failing state downloads, blocking rounds that hang (one, or several in a
-row), two groups formed for one round, blocking and overlapped rounds (outer.overlap).
+hosts' clocks apart and drifting, slow or failing state downloads, rounds that hang (one, or several in a row;
+blocking, overlapped, or after the outer step), two groups formed for one round, blocking and overlapped rounds (outer.overlap).
 Over each run of today's rules:
 * agreement: every region that finishes holds step T and the same digest;
 * recovery: a consistent round with every live region leaves all of them equal;
-* no overshoot (no step > T); monotonic (no adoption of a lower step); bounded waits; liveness (every region
+* no overshoot (no step > T); monotonic (no adoption of a lower step); bounded waits (and fewer than
+  policy.ABANDONED_ROUNDS_LIMIT rounds abandoned in a row without the group failing); liveness (every region
   that did not depart finishes); no Δ against another θ than the workers started from; per region the data
   windows whose round completed or was abandoned are 0, 1, 2, ... (none twice, none skipped);
 * skew: with regions steadily slower than each other by up to max_wait, every round has every region.
@@ -103,11 +104,17 @@ def schedules(draw, faults: bool = True, crashes: bool = True, hung: bool = Fals
     if hang <= 1:
         who, first = draw(st.sampled_from([p.name for p in plans])), draw(st.integers(0, max(0, target - 2)))
         hangs = frozenset((who, first + k) for k in range(1 if hang == 0 else draw(st.integers(2, 3))))
+    # ... or a single one hanging right after its outer step instead (the store of its new record): it finishes in
+    # the background and the next round abandons it.
+    hangs_after_step = frozenset()
+    if hang == 0 and draw(st.booleans()):
+        hangs, hangs_after_step = frozenset(), hangs
     # Two groups formed for one round (Hivemind's matchmaking split the regions ready for it).
     split = frozenset(draw(st.lists(st.integers(0, target - 1), max_size=1))) if faults else frozenset()
     return Schedule(tuple(plans), target=target, failing_steps=failing, max_wait=MAX_WAIT,
                     matchmaking=MATCHMAKING, ttl=TTL, leave_after_finish=leave, download=download,
-                    checkpoint_every=every, nonfinite=nonfinite, hangs=hangs, split_steps=split)
+                    checkpoint_every=every, nonfinite=nonfinite, hangs=hangs, hangs_after_step=hangs_after_step,
+                    split_steps=split)
 
 
 SLOWEST = "z"  # a region far slower than max_wait: it may miss rounds, the others must still meet
@@ -252,6 +259,10 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
         name in out.finished for name, _ in out.abandoned),
     "three hung rounds in a row failed a region's group once; it restarted and finished": lambda out: any(
         name in out.finished for name in out.failures),
+    "an overlapped round hung and the next round abandoned it; the region finished": lambda out: any(
+        name in out.finished for name, _ in out.abandoned_in_flight),
+    "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
+        lambda out: any(name in out.finished for name, _ in out.finished_in_background),
     "two groups formed for one round and left their members on different states; they finished on one": lambda out:
         any(len({r["after"][m][1] for r in out.rounds if r["step"] == step for m in r["after"]}) > 1
             for step in out.splits) and len(out.finished) > 1,
@@ -260,15 +271,23 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
 }
 
 
-# Three blocking rounds in a row hardly ever come up with outer.overlap (the rounds between checkpoints overlap).
-BLOCKING_ONLY = {"three hung rounds in a row failed a region's group once; it restarted and finished"}
+STRATEGIES = {"blocking": lambda: schedules(), "overlapped": lambda: schedules().map(overlapped),
+              "overlapped, hung in a row": lambda: schedules(hung=True).map(overlapped)}
+# The paths each strategy must reach, where not the first two. Only an overlapped round hangs in flight; a blocking
+# round hung after its step hardly ever comes up with outer.overlap (the rounds between checkpoints overlap); hung
+# rounds in a row that fail the group do with overlap only where the schedule hangs several rounds (an overlapped
+# round that hangs counts in the row: policy.overdue_in_flight).
+ONLY = {"an overlapped round hung and the next round abandoned it; the region finished": ("overlapped",),
+        "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
+            ("blocking",),
+        "three hung rounds in a row failed a region's group once; it restarted and finished":
+            ("blocking", "overlapped, hung in a row")}
 
 
 @pytest.mark.parametrize("path, strategy", [(path, strategy) for path in sorted(REACHED)
-                                            for strategy in ("blocking", "overlapped")
-                                            if strategy == "blocking" or path not in BLOCKING_ONLY])
+                                            for strategy in ONLY.get(path, ("blocking", "overlapped"))])
 def test_the_random_schedules_reach_each_path(path, strategy):
-    schedules_of = schedules() if strategy == "blocking" else schedules().map(overlapped)
+    schedules_of = STRATEGIES[strategy]()
     try:
         example = find(schedules_of, lambda schedule: REACHED[path](simulate(schedule)[0]), settings=COVERAGE_SETTINGS)
     except NoSuchExample:
@@ -344,6 +363,8 @@ OLD_RULES = {
         Rules(chase_bound=False), schedules()),
     "issue 22: a hung round fails the region's group (Ray Train), using up run.max_failures": (
         Rules(abandon_hung_rounds=False), schedules(hung=True)),
+    "issue 22: overlapped rounds that hang are never counted in a row: the region trains on without averaging": (
+        Rules(count_overlapped_hangs=False), "overlapped hung"),
     "overlap: the deadline counts from an overlapped region's hand-in": (
         Rules(blocking_time_deadline=False), "overlapped skew"),
 }
@@ -361,7 +382,9 @@ def test_property_tests_find_each_fault_of_the_old_rules(fault):
         return bool(found)
 
     skew = strategy in (None, "overlapped skew")
-    if skew:
+    if strategy == "overlapped hung":
+        strategy = schedules(hung=True).map(overlapped)
+    elif skew:
         strategy = skewed_schedules() if strategy is None else skewed_schedules().map(overlapped)
     try:
         example = find(strategy, broken,

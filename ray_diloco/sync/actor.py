@@ -163,7 +163,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         # Bumped when a round is abandoned: its executor threads (rendezvous, loads, settling) run on, but may
         # change nothing after that (Membership checks it before each step and under _state_lock).
         self._generation = 0
-        self._abandoned_in_a_row = 0  # blocking rounds abandoned since the last one that ended (policy.overdue_round)
+        self._abandoned_in_a_row = 0  # rounds abandoned since the last one that ended (policy.overdue_round)
         self._handed_back = self._round_ended = time.perf_counter()  # the workers' last start, the last round's end
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
@@ -347,9 +347,14 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         round. Overlapped: at once, with the round of these shards running in the background."""
         try:
             await self._finish_in_flight()
-        except asyncio.TimeoutError:  # a slow round costs that round, never the group
+        except asyncio.TimeoutError:  # a slow round costs that round, never the group, unless it is one of many
+            action, self._abandoned_in_a_row = policy.overdue_in_flight(self._abandoned_in_a_row)
             self._abandon_in_flight()
             self._drop_overlap_base()
+            if action == policy.FAIL:  # these batches were read: a restarted group reads on after them
+                self._take_progress(pending)
+                raise RuntimeError(f"[{self.region}] {self._abandoned_in_a_row} rounds in a row did not end within "
+                                   f"{self._await_bound():.0f} s: the region's Hivemind node does not answer")
         except Exception:  # noqa: BLE001 — it failed before its outer step (recorded by _round): the same
             self._drop_overlap_base()
         pending.inner_report = dict(self.inner_report)  # an overlapped round ends after the next window's note
@@ -380,9 +385,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         step_before, bound = self.outer.step_count, self._await_bound()
         round_ = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
         try:
-            new_global = await asyncio.wait_for(asyncio.shield(round_), timeout=bound)
-            self._abandoned_in_a_row = 0
-            return new_global
+            return await asyncio.wait_for(asyncio.shield(round_), timeout=bound)
         except asyncio.TimeoutError:
             action, self._abandoned_in_a_row = policy.overdue_round(self.outer.step_count != step_before,
                                                                     self._abandoned_in_a_row)
@@ -443,7 +446,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         if in_flight is not None and not in_flight.done():
             self._cancel_round(in_flight)
             self.record_event("overlapped_round_abandoned", outer_step=self.outer.step_count,
-                              waited_seconds=round(self._await_bound(), 1))
+                              waited_seconds=round(self._await_bound(), 1), in_a_row=self._abandoned_in_a_row)
 
     async def _round(self, workers_step: int, pending: PendingRound, local: dict, delta: dict) -> dict:
         try:
@@ -454,6 +457,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             raise
         finally:
             self._round_ended = time.perf_counter()
+        self._abandoned_in_a_row = 0  # a round ended: the region's Hivemind node answers
         self._take_progress(pending)
         return new_global
 

@@ -14,7 +14,8 @@ A region's life, as the SyncActor runs it with these functions:
 Around each round: `round_arrival` (where the others' deadline counts from), `may_overlap` (whether it runs while
 the workers train on), `published_group` (the vote its new state carries), `checkpoints_at` (whether the workers
 and the SyncActor checkpoint it), and `overdue_round` for a blocking round still running at its `round_bound` (a
-hung DHT call: finish it in the background, abandon it, or fail the workers). Every load is bounded by
+hung DHT call: finish it in the background, abandon it, or fail the workers), and `overdue_in_flight` for a
+round still running when the next one has waited that bound for it (abandon it, or fail). Every load is bounded by
 `download_seconds` (the state's size at the slowest allowed link). The SyncActor and the simulator
 (`tests/protocol_sim.py`) call these same functions.
 
@@ -410,6 +411,15 @@ def overdue_round(applied: bool, abandoned_in_a_row: int) -> tuple[str, int]:
         return FINISH_IN_BACKGROUND, abandoned_in_a_row
     in_a_row = abandoned_in_a_row + 1
     return (FAIL if in_a_row >= ABANDONED_ROUNDS_LIMIT else ABANDON), in_a_row
+
+
+def overdue_in_flight(abandoned_in_a_row: int) -> tuple[str, int]:
+    """What a round still running when the next round has waited `round_bound` for it becomes (an overlapped
+    round, or a blocking one left to finish in the background), and the count after it: abandoned, counted as an
+    abandoned blocking round is, so the region fails its workers at the ABANDONED_ROUNDS_LIMIT-th in a row. Not
+    counted, an overlapped region whose Hivemind node stayed hung trained on for ever without averaging, each
+    abandoned round leaving a thread blocked (tests/test_hung_round.py)."""
+    return overdue_round(False, abandoned_in_a_row)
 
 
 def final_state(records: list[StateRecord]) -> StateRecord | None:
