@@ -128,3 +128,24 @@ def test_overlapped_rounds_that_hang_one_after_the_other_also_end_in_an_error(tm
     assert f"{ABANDONED_ROUNDS_LIMIT} rounds in a row did not end" in str(steps[-1]), steps
     assert [e["in_a_row"] for e in a.events if e["event"] == "overlapped_round_abandoned"] == list(
         range(1, ABANDONED_ROUNDS_LIMIT + 1)), a.events
+
+
+def test_a_group_restarting_while_an_overlapped_round_hangs_reads_on_after_that_rounds_window(tmp_path):
+    """A group that restarts (a worker died) while its overlapped round hangs: `resume_state` waits the bound for
+    the round, abandons it and hands the new group the region's data position. That window's batches were read and
+    its Δ is lost with the round: the new group reads on after them. Before, the position was the one before that
+    window, and the window was trained twice."""
+    with hung_region(tmp_path, "hung-restart", hang_seconds=120, outer_steps=10, overlap=True) as (a, _, released, _):
+        async def restart():
+            handed_back = await asyncio.wait_for(a.exchange(0, 0, 1, trained(a, 0), tokens=1000,
+                                                            progress=READ_ONE_BATCH), 60)
+            resumed = await asyncio.wait_for(a.resume_state(0, 1), 60)  # the new group's handshake
+            released.set()
+            return handed_back, resumed
+
+        (step, _, _), resumed = asyncio.run(restart())
+    assert step == 1  # the round overlapped: handed back at once, a window ahead
+    assert [e["event"] for e in a.events].count("overlapped_round_abandoned") == 1, a.events
+    assert resumed["outer_step"] == 0  # θ_global as it was: the hung round applied nothing
+    progress = resumed["progress"] or {}  # None before: the region's position at its start
+    assert progress.get("batches") == 1 and progress.get("windows") == 3, resumed["progress"]

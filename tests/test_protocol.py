@@ -5,7 +5,8 @@ outages (reads and publishes), partial and stale DHT views, worker-group restart
 joins, crashes that come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and
 resubmissions, rounds with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths,
 hosts' clocks apart and drifting, slow or failing state downloads, rounds that hang (one, or several in a row;
-blocking, overlapped, or after the outer step), two groups formed for one round, blocking and overlapped rounds (outer.overlap).
+blocking, overlapped, or after the outer step), two groups formed for one round, blocking and overlapped rounds
+(outer.overlap).
 Over each run of today's rules:
 * agreement: every region that finishes holds step T and the same digest;
 * recovery: a consistent round with every live region leaves all of them equal;
@@ -259,7 +260,7 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
         name in out.finished for name, _ in out.abandoned),
     "three hung rounds in a row failed a region's group once; it restarted and finished": lambda out: any(
         name in out.finished for name in out.failures),
-    "an overlapped round hung and the next round abandoned it; the region finished": lambda out: any(
+    "a round hung in flight and the next round abandoned it; the region finished": lambda out: any(
         name in out.finished for name, _ in out.abandoned_in_flight),
     "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
         lambda out: any(name in out.finished for name, _ in out.finished_in_background),
@@ -273,11 +274,11 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
 
 STRATEGIES = {"blocking": lambda: schedules(), "overlapped": lambda: schedules().map(overlapped),
               "overlapped, hung in a row": lambda: schedules(hung=True).map(overlapped)}
-# The paths each strategy must reach, where not the first two. Only an overlapped round hangs in flight; a blocking
-# round hung after its step hardly ever comes up with outer.overlap (the rounds between checkpoints overlap); hung
-# rounds in a row that fail the group do with overlap only where the schedule hangs several rounds (an overlapped
-# round that hangs counts in the row: policy.overdue_in_flight).
-ONLY = {"an overlapped round hung and the next round abandoned it; the region finished": ("overlapped",),
+# The paths each strategy must reach, where not the first two. A round hung in flight is an overlapped one, or a
+# blocking one hung after its step, which hardly ever comes up with outer.overlap (the rounds between checkpoints
+# overlap); hung rounds in a row that fail the group do with overlap only where the schedule hangs several rounds
+# (an overlapped round that hangs counts in the row: policy.overdue_in_flight).
+ONLY = {"a round hung in flight and the next round abandoned it; the region finished": ("overlapped",),
         "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
             ("blocking",),
         "three hung rounds in a row failed a region's group once; it restarted and finished":

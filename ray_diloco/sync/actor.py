@@ -160,10 +160,11 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         self.base: dict[str, torch.Tensor] | None = None
         self.workers_step = 0
         self._in_flight: asyncio.Future | None = None
+        self._in_flight_shards: PendingRound | None = None  # the hand-in of the round in flight (its data position)
         # Bumped when a round is abandoned: its executor threads (rendezvous, loads, settling) run on, but may
         # change nothing after that (Membership checks it before each step and under _state_lock).
         self._generation = 0
-        self._abandoned_in_a_row = 0  # rounds abandoned since the last one that ended (policy.overdue_round)
+        self._abandoned_in_a_row = 0  # rounds abandoned since one ended (policy.overdue_round, overdue_in_flight)
         self._handed_back = self._round_ended = time.perf_counter()  # the workers' last start, the last round's end
         self._published: StateRecord | None = None  # our record exactly as the others see it: our vote
         self._dht_failing = False  # the last read of the records failed
@@ -349,7 +350,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             await self._finish_in_flight()
         except asyncio.TimeoutError:  # a slow round costs that round, never the group, unless it is one of many
             action, self._abandoned_in_a_row = policy.overdue_in_flight(self._abandoned_in_a_row)
-            self._abandon_in_flight()
+            self._abandon_in_flight(in_a_row=self._abandoned_in_a_row)
             self._drop_overlap_base()
             if action == policy.FAIL:  # these batches were read: a restarted group reads on after them
                 self._take_progress(pending)
@@ -374,6 +375,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         self.workers_step = self.outer.step_count + 1
         pending.overlapped = True
         self._in_flight = asyncio.ensure_future(self._round(workers_step, pending, local, delta))
+        self._in_flight_shards = pending
         self._handed_back = time.perf_counter()
         return self.base, self.workers_step
 
@@ -390,7 +392,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             action, self._abandoned_in_a_row = policy.overdue_round(self.outer.step_count != step_before,
                                                                     self._abandoned_in_a_row)
             if action == policy.FINISH_IN_BACKGROUND:  # the next round or a restart waits for it first
-                self._in_flight = round_
+                self._in_flight, self._in_flight_shards = round_, pending
                 self.record_event("round_finishing_in_background", workers_step=workers_step,
                                   outer_step=self.outer.step_count)
             else:  # its batches were read: a group restarted before the next round reads on after them
@@ -435,18 +437,24 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
 
     def _drop_overlap_base(self) -> None:
         """The overlapped round's update will never come: the workers' Δ is taken against θ_global itself (it
-        holds their progress of both windows), and this round blocks."""
+        holds their progress of both windows)."""
         self.base = None
         self.workers_step = self.outer.step_count
 
-    def _abandon_in_flight(self) -> None:
-        """Cancel the overlapped round still running: a slow round costs that round (the region's Δ of it is lost,
-        the next round re-syncs if the others moved on), never the group that restarts meanwhile."""
+    def _abandon_in_flight(self, in_a_row: int | None = None) -> None:
+        """Cancel the round still running (overlapped, or finishing in the background): it costs that round (the
+        region's Δ of it is lost, the next round re-syncs if the others moved on), counted in a row
+        (`in_a_row`) where the next round waited for it (`policy.overdue_in_flight`), not where a restarting
+        group did. Its batches were read: a group restarted now reads on
+        after them (before, `resume_state` handed back the position before that window: it was trained twice)."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not in_flight.done():
             self._cancel_round(in_flight)
+            if self._in_flight_shards is not None:
+                self._take_progress(self._in_flight_shards)
             self.record_event("overlapped_round_abandoned", outer_step=self.outer.step_count,
-                              waited_seconds=round(self._await_bound(), 1), in_a_row=self._abandoned_in_a_row)
+                              waited_seconds=round(self._await_bound(), 1),
+                              **({} if in_a_row is None else {"in_a_row": in_a_row}))
 
     async def _round(self, workers_step: int, pending: PendingRound, local: dict, delta: dict) -> dict:
         try:

@@ -385,9 +385,9 @@ def published_group(group_size: int, consistent: bool) -> int:
 
 
 # -- a round that does not end ------------------------------------------------------------------------------
-# Blocking rounds abandoned in a row before the region gives up on them (fails its workers: Ray Train's failure
-# handling, run.max_failures, takes over). A DHT that stays hung would otherwise keep the region training without
-# ever averaging, each abandoned round leaving a thread blocked.
+# Rounds abandoned in a row (blocking, or in flight: `overdue_in_flight`) before the region gives up on them
+# (fails its workers: Ray Train's failure handling, run.max_failures, takes over). A DHT that stays hung would
+# otherwise keep the region training without ever averaging, each abandoned round leaving a thread blocked.
 ABANDONED_ROUNDS_LIMIT = 3
 FINISH_IN_BACKGROUND, ABANDON, FAIL = "finish in background", "abandon", "fail"
 
