@@ -27,9 +27,8 @@ abandons it the same way. A hang in the settling after the run's last round is n
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
 `policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round` and
-`overdue_in_flight`; what
-it still re-implements is the loop that strings them together (the SyncActor's exchange, `_complete_round` and
-`_run_round`).
+`overdue_in_flight`; what it still re-implements is the loop that strings them together (the SyncActor's exchange,
+`_complete_round` and `_run_round`).
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
 swap in the old rules one at a time and show that the properties in `violations` (protocol_model.py) catch each fault.
@@ -176,8 +175,8 @@ class Simulator(World):
             result = yield from self._rendezvous(region, arrived, delta)
         if result is False:
             return True
-        hangs_after_step = (region.overlapped is None and result is not None and (name, window) in self.hangs_after_step
-                            and region.outer.step_count + 1 < s.target)
+        hangs_after_step = (region.overlapped is None and result is not None
+                            and (name, window) in self.hangs_after_step and region.outer.step_count + 1 < s.target)
         if not abandoned and not hangs_after_step:  # a round ended (SyncActorImpl._round): the node answers
             region.abandoned_in_a_row = region.seen_abandoned = 0
         region.round_ended = self.now
