@@ -130,6 +130,7 @@ class Outcome:
     abandoned: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each abandoned round
     abandoned_in_flight: list[tuple[str, int]] = field(default_factory=list)  # ... of those, abandoned in flight
     finished_in_background: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it applied)
+    abandoned_by_restart: list[tuple[str, int]] = field(default_factory=list)  # ... in flight, by a restarted group
     failures: dict[str, int] = field(default_factory=dict)  # region -> its group's failures (Ray Train restarts)
     splits: list[int] = field(default_factory=list)  # outer steps whose round formed two groups
     partial_reads: int = 0  # records a read missed or saw in an older version (RegionPlan.partial_views)

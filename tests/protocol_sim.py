@@ -115,6 +115,7 @@ class Simulator(World):
             if region.hung_in_flight is not None:  # as resume_state: it waits the bound for it, then abandons it
                 yield self._bound()
                 self._node_answers(region)
+                self.out.abandoned_by_restart.append((name, region.outer.step_count))
             region.round_ended = self.now
             return None
         yield duration

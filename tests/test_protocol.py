@@ -262,6 +262,8 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
         name in out.finished for name in out.failures),
     "a round hung in flight and the next round abandoned it; the region finished": lambda out: any(
         name in out.finished for name, _ in out.abandoned_in_flight),
+    "a group restarted while its round hung in flight, abandoned it and finished": lambda out: any(
+        name in out.finished for name, _ in out.abandoned_by_restart),
     "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
         lambda out: any(name in out.finished for name, _ in out.finished_in_background),
     "two groups formed for one round and left their members on different states; they finished on one": lambda out:
@@ -279,6 +281,7 @@ STRATEGIES = {"blocking": lambda: schedules(), "overlapped": lambda: schedules()
 # overlap); hung rounds in a row that fail the group do with overlap only where the schedule hangs several rounds
 # (an overlapped round that hangs counts in the row: policy.overdue_in_flight).
 ONLY = {"a round hung in flight and the next round abandoned it; the region finished": ("overlapped",),
+        "a group restarted while its round hung in flight, abandoned it and finished": ("overlapped",),
         "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
             ("blocking",),
         "three hung rounds in a row failed a region's group once; it restarted and finished":
