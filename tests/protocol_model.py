@@ -108,7 +108,7 @@ class _Region:
     overlapped: tuple | None = None
     round_ended: float = 0.0
     abandoned_in_a_row: int = 0  # the SyncActor's count (`policy.overdue_round`); a group restart keeps it
-    hung_in_flight: tuple | None = None  # a round hung in flight: (the state its node no longer serves,)
+    hung_node: tuple | None = None  # while its Hivemind node hangs: (the state it no longer serves,)
     # What the simulator saw (not the actor's count): rounds abandoned in a row with no round ended nor group failed
     seen_abandoned: int = 0
 

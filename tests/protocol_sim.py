@@ -112,7 +112,7 @@ class Simulator(World):
         if restart is not None:  # the group dies mid-window and restarts: the window is trained again
             region.overlapped = None  # from θ_global: the restarted group takes the actor's state
             yield max(restart, self.now) - self.now + s.restart_seconds
-            if region.hung_in_flight is not None:  # as resume_state: it waits the bound for it, then abandons it
+            if region.hung_node is not None:  # a round hung in flight: resume_state waits the bound, abandons it
                 yield self._bound()
                 self._node_answers(region)
                 self.out.abandoned_by_restart.append((name, region.outer.step_count))
@@ -134,7 +134,7 @@ class Simulator(World):
         """As SyncActorImpl._complete_round and its round: overlap or block, sit a non-finite round out, or
         rendezvous, average and step. Returns True when the region ended."""
         name, rules, s = region.plan.name, self.rules, self.s
-        if region.hung_in_flight is not None:  # as SyncActorImpl._complete_round: the round in flight first
+        if region.hung_node is not None:  # a round hung in flight is waited for first (SyncActorImpl._complete_round)
             if (yield from self._overdue_in_flight(region)) == policy.FAIL:
                 region.overlapped = None
                 self._consume(region, window)
@@ -163,7 +163,7 @@ class Simulator(World):
             result = None
         elif region.overlapped is not None and (name, window) in self.hangs:  # an overlapped round that hangs
             self.hangs.discard((name, window))
-            self._hang_in_flight(region)
+            self._node_hangs(region)
             return (yield from self._after_round(region, window, arrived, before_round, advanced=False))
         elif region.overlapped is None and (name, window) in self.hangs:  # a blocking round that hangs
             self.hangs.discard((name, window))
@@ -199,14 +199,9 @@ class Simulator(World):
         DHT call: nothing is published or refreshed (its record expires, its state is not served) until the round
         is given up at `policy.round_bound`. Returns `policy.overdue_round`'s action (the old rule: FAIL). The hang
         is before the outer step (one after it: `_publish_hung`, `_finish_in_background`)."""
-        name = region.plan.name
-        if name in self.dht:
-            self.dht[name][1] = min(self.dht[name][1], self.now + self.s.ttl)
-        served = self.served.pop(name, None)
+        self._node_hangs(region)
         yield self._bound()
-        if served is not None:
-            self.served[name] = served
-        self._store(name, region.incarnation)  # its node answers again: the sharer's refresh stores the record
+        self._node_answers(region)
         if not self.rules.abandon_hung_rounds:  # the old actor: the other ranks raised, a Ray Train failure
             return policy.FAIL
         action, region.abandoned_in_a_row = policy.overdue_round(applied=False,
@@ -214,13 +209,13 @@ class Simulator(World):
         self._saw(region, action)
         return action
 
-    def _hang_in_flight(self, region: _Region) -> None:
-        """An overlapped round whose region's Hivemind node stops answering at its first DHT call: its record is
-        no longer refreshed and its state no longer served, while the workers train the next window."""
+    def _node_hangs(self, region: _Region) -> None:
+        """The region's Hivemind node stops answering (a round's DHT call that never returns): its record is no
+        longer refreshed and its state no longer served, until `_node_answers`."""
         name = region.plan.name
         if name in self.dht:
             self.dht[name][1] = min(self.dht[name][1], self.now + self.s.ttl)
-        region.hung_in_flight = (self.served.pop(name, None),)
+        region.hung_node = (self.served.pop(name, None),)
 
     def _publish_hung(self, region: _Region, group: int) -> None:
         """As Membership._publish when the region's Hivemind node stops answering at the store: the record counts as
@@ -233,7 +228,7 @@ class Simulator(World):
             self.dht.pop(name, None)
         else:
             self.dht[name] = list(before)
-        self._hang_in_flight(region)
+        self._node_hangs(region)
 
     def _finish_in_background(self, region: _Region, handed_in: float):
         """As SyncActorImpl._blocking_round: the round is still running at its bound, counted from the hand-in, with
@@ -264,7 +259,7 @@ class Simulator(World):
 
     def _node_answers(self, region: _Region) -> None:
         """The hung round is given up: the region's node answers again and the sharer's refresh stores its record."""
-        (served,), region.hung_in_flight = region.hung_in_flight, None
+        (served,), region.hung_node = region.hung_node, None
         if served is not None:
             self.served[region.plan.name] = served
         self._store(region.plan.name, region.incarnation)

@@ -354,8 +354,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             self._drop_overlap_base()
             if action == policy.FAIL:  # these batches were read: a restarted group reads on after them
                 self._take_progress(pending)
-                raise RuntimeError(f"[{self.region}] {self._abandoned_in_a_row} rounds in a row did not end within "
-                                   f"{self._await_bound():.0f} s: the region's Hivemind node does not answer")
+                raise self._node_does_not_answer()
         except Exception:  # noqa: BLE001 — it failed before its outer step (recorded by _round): the same
             self._drop_overlap_base()
         pending.inner_report = dict(self.inner_report)  # an overlapped round ends after the next window's note
@@ -401,10 +400,14 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 self.record_event("round_abandoned", workers_step=workers_step, outer_step=self.outer.step_count,
                                   waited_seconds=round(bound, 1), in_a_row=self._abandoned_in_a_row)
                 if action == policy.FAIL:
-                    raise RuntimeError(f"[{self.region}] {self._abandoned_in_a_row} rounds in a row did not end within "
-                                       f"{bound:.0f} s: the region's Hivemind node does not answer")
+                    raise self._node_does_not_answer()
             with self._state_lock:
                 return {name: t.clone() for name, t in self.outer.global_state().items()}
+
+    def _node_does_not_answer(self) -> RuntimeError:
+        """The error for the workers (Ray Train's failure handling) at the ABANDONED_ROUNDS_LIMIT-th round in a row."""
+        return RuntimeError(f"[{self.region}] {self._abandoned_in_a_row} rounds in a row did not end within "
+                            f"{self._await_bound():.0f} s: the region's Hivemind node does not answer")
 
     def _cancel_round(self, round_: asyncio.Future) -> None:
         """Cancel a round still running; what it still runs in an executor thread sees the new generation and
@@ -445,8 +448,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         """Cancel the round still running (overlapped, or finishing in the background): it costs that round (the
         region's Δ of it is lost, the next round re-syncs if the others moved on), counted in a row
         (`in_a_row`) where the next round waited for it (`policy.overdue_in_flight`), not where a restarting
-        group did. Its batches were read: a group restarted now reads on
-        after them (before, `resume_state` handed back the position before that window: it was trained twice)."""
+        group did. Its batches were read: a group restarted now reads on after them (before, `resume_state` handed
+        back the position before that window: it was trained twice)."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not in_flight.done():
             self._cancel_round(in_flight)
