@@ -76,7 +76,8 @@ def stop_and_resubmit(draw, times) -> dict:
 
 
 @st.composite
-def schedules(draw, faults: bool = True, crashes: bool = True, hung: bool = False) -> Schedule:
+def schedules(draw, faults: bool = True, crashes: bool = True, hung: bool = False,
+              hung_after_step: bool = False) -> Schedule:
     n = draw(st.integers(2, 4))
     plans = [draw(region_plans(NAMES[i], faults, crashes)) for i in range(n)]
     gone_for_good = lambda p: p.depart_at is not None or (p.stop_at is not None and p.resubmit_after is None)  # noqa: E731
@@ -100,7 +101,8 @@ def schedules(draw, faults: bool = True, crashes: bool = True, hung: bool = Fals
         nonfinite = frozenset((p.name, at) for p in plans)
     # A hung round: a region's Hivemind node stops answering for one round, or for 2-3 in a row (the third in a
     # row fails its group once: a Ray Train restart, within run.max_failures 1).
-    hang = 1 if hung else draw(st.integers(0, 5)) if faults else 5  # hung: always 2-3 in a row
+    # hung: always 2-3 in a row; hung_after_step: always one, right after its outer step
+    hang = 1 if hung else 0 if hung_after_step else draw(st.integers(0, 5)) if faults else 5
     hangs = frozenset()
     if hang <= 1:
         who, first = draw(st.sampled_from([p.name for p in plans])), draw(st.integers(0, max(0, target - 2)))
@@ -108,7 +110,7 @@ def schedules(draw, faults: bool = True, crashes: bool = True, hung: bool = Fals
     # ... or a single one hanging right after its outer step instead (the store of its new record): it finishes in
     # the background and the next round abandons it.
     hangs_after_step = frozenset()
-    if hang == 0 and draw(st.booleans()):
+    if hang == 0 and (draw(st.booleans()) or hung_after_step):
         hangs, hangs_after_step = frozenset(), hangs
     # Two groups formed for one round (Hivemind's matchmaking split the regions ready for it).
     split = frozenset(draw(st.lists(st.integers(0, target - 1), max_size=1))) if faults else frozenset()
@@ -275,17 +277,22 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
 
 
 STRATEGIES = {"blocking": lambda: schedules(), "overlapped": lambda: schedules().map(overlapped),
+              "blocking, hung in a row": lambda: schedules(hung=True),
+              "blocking, hung after a step": lambda: schedules(hung_after_step=True),
               "overlapped, hung in a row": lambda: schedules(hung=True).map(overlapped)}
 # The paths each strategy must reach, where not the first two. A round hung in flight is an overlapped one, or a
 # blocking one hung after its step, which hardly ever comes up with outer.overlap (the rounds between checkpoints
 # overlap); hung rounds in a row that fail the group do with overlap only where the schedule hangs several rounds
-# (an overlapped round that hangs counts in the row: policy.overdue_in_flight).
+# (an overlapped round that hangs counts in the row: policy.overdue_in_flight). Hypothesis draws differently with
+# other modules imported (it takes constants from the loaded code): the random schedules met three in a row only
+# rarely, and running a real SyncActor test first made them miss it; with schedules that hang 2-3 rounds in a row
+# it is reached whatever ran before; the same for a round hung after its step, with schedules that always hang one.
 ONLY = {"a round hung in flight and the next round abandoned it; the region finished": ("overlapped",),
         "a group restarted while its round hung in flight, abandoned it and finished": ("overlapped",),
         "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
-            ("blocking",),
+            ("blocking, hung after a step",),
         "three hung rounds in a row failed a region's group once; it restarted and finished":
-            ("blocking", "overlapped, hung in a row")}
+            ("blocking, hung in a row", "overlapped, hung in a row")}
 
 
 @pytest.mark.parametrize("path, strategy", [(path, strategy) for path in sorted(REACHED)
