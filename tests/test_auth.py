@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -138,11 +139,14 @@ def test_members_average_together_and_an_intruder_cannot_join_their_group(networ
     members_key = state_key(RUN)
 
     def averager(node, region, secret):
-        # 8 s to meet: with 3 s the forger's averager, started on a loaded machine, once missed the members'
-        # group in CI (the ungated case then saw a group of 2). A full group starts at once, not at the 8 s.
-        return RegionAverager(run_id=RUN, region=region, expected_regions=3, dht=node, matchmaking_seconds=8,
+        # Each round's averager is a forked process: started inside the 8 s matchmaking window on a loaded machine,
+        # the forger's could come too late for the members' group. Started and ready before the round, each asks
+        # for a group the moment its thread starts.
+        made = RegionAverager(run_id=RUN, region=region, expected_regions=3, dht=node, matchmaking_seconds=8,
                               averaging_timeout=40, compression="none", secret=secret,
                               members_key=members_key if secret and gated else None)
+        assert made.prepare_round(1, {"w": (6, 4)}, wait_seconds=60), region
+        return made
 
     averagers = {"a": averager(a, "region-a", SECRET), "b": averager(b, "region-b", SECRET),
                  "x": averager(forger, "region-x", None)}
@@ -157,6 +161,10 @@ def test_members_average_together_and_an_intruder_cannot_join_their_group(networ
     threads = [threading.Thread(target=go, args=(name,)) for name in averagers]
     try:
         for t in threads:
+            # The forger asks last: a peer asks to join only leaders that declared before it (hivemind's
+            # matchmaking), and the members' nodes refuse its own declaration (its MAC is made up). Asking first,
+            # it waited for followers that never saw it, and the ungated case saw a group of 2 (1 run in 3 here).
+            time.sleep(2.0 if t is threads[-1] else 0.0)
             t.start()
         for t in threads:
             t.join(90)

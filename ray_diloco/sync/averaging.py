@@ -344,6 +344,19 @@ class RegionAverager:
             self._preparing = threading.Thread(target=self._prepare, args=(self._next_key,), daemon=True)
             self._preparing.start()
 
+    def prepare_round(self, round_index: int, shapes: dict[str, tuple[int, ...]], expected_regions: int | None = None,
+                      wait_seconds: float = 0.0) -> bool:
+        """Start the averager of round `round_index` now, as `prepare_next_round` does after a round: for a first
+        round whose averager (a forked process, seconds to start on a loaded machine) must not start inside the
+        matchmaking window. `wait_seconds`: how long to wait for it; returns whether it is ready then."""
+        self._next_key = (round_index, expected_regions or self.expected_regions,
+                          tuple((name, tuple(shape)) for name, shape in shapes.items()))
+        self.prepare_next_round()
+        if self._preparing is not None:
+            self._preparing.join(timeout=wait_seconds)
+        with self._prepared_lock:
+            return self._prepared is not None and self._prepared[0] == self._next_key
+
     def _result(self, outcome: dict, names: list[str], tensors: dict[str, torch.Tensor],
                 buffers: list[torch.Tensor], round_index: int, start: float, timings: dict) -> RoundResult:
         """The round's result from the averager's outcome; inconsistent where a reducer or a sender dropped."""
