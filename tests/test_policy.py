@@ -42,6 +42,7 @@ from ray_diloco.sync.policy import (
     round_arrival,
     settle_at_end,
     startup_records,
+    stops_after_round,
 )
 
 R = StateRecord
@@ -261,3 +262,16 @@ def test_a_round_still_in_flight_at_the_next_rounds_bound_is_abandoned_and_count
     assert overdue_in_flight(abandoned_in_a_row=1) == (ABANDON, 2)
     assert overdue_in_flight(abandoned_in_a_row=2) == (FAIL, 3)  # the third in a row, blocking or overlapped
     assert overdue_in_flight(abandoned_in_a_row=5) == (FAIL, 6)
+
+
+def test_a_stop_asked_by_a_region_of_the_same_driver_in_the_round_ends_every_such_member_there():
+    ours = frozenset({"a", "b"})
+    asks = {"region": "a", "stop": True}
+    assert stops_after_round(True, [], ours)  # alone, or a round without Hivemind: its own request
+    assert not stops_after_round(False, [{"region": "a", "stop": False}, {"region": "b"}], ours)
+    assert stops_after_round(False, [asks, {"region": "b", "stop": False}], ours)  # b: a asked
+    # Another driver's region (another cluster) stops its own regions only; a forged claim to one of our
+    # regions (claimed twice in the group), a non-dict or a non-True flag counts for nothing.
+    assert not stops_after_round(False, [{"region": "x", "stop": True}, {"region": "b"}], ours)
+    assert not stops_after_round(False, [asks, {"region": "a", "stop": False}, {"region": "b"}], ours)
+    assert not stops_after_round(False, ["a", None, {"region": "a", "stop": "yes"}], ours)

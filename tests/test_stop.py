@@ -3,24 +3,33 @@
 - `RunStop` by phase: a stop during start-up ends the run before training; during training the first signal is
   forwarded and the deadline counts from it, a second one forces; after training a signal changes nothing.
 - Stop settings that cannot hold are refused before Ray starts, naming the fields (and RAY_JOB_STOP_WAIT_TIME_S).
+- Two regions of one driver (real SyncActors and Hivemind in this process): a stop request that reached one
+  region before its round and the other only after it ends both at that round's outer step, with one state;
+  with outer.overlap the other's workers, a window ahead, end at that step too.
 - Real processes (`ray-diloco train` with a private Ray): a region that never reaches an outer-step boundary is
   aborted once run.stop_timeout_seconds has passed: the driver ends within seconds of it, names what it stopped
   and what was last checkpointed, writes `stopped: true` for the region that stopped cleanly, and leaves no
   process behind. A SIGTERM during start-up ends the driver in one line, with nothing left running either.
 """
 
+import asyncio
+import dataclasses
 import json
 import os
 import signal
 import time
 
 import pytest
+import torch
 import yaml
 
-from conftest import Driver, RunInThread, assert_gone, driver_env, wait_for
+from conftest import Driver, RunInThread, assert_gone, driver_env, small_run, wait_for
 from ray_diloco.cli import main
 from ray_diloco.config import ConfigError, ExperimentConfig
+from ray_diloco.sharding import from_wire
 from ray_diloco.stopping import RunStop, RunStopped
+from ray_diloco.sync.actor import SyncActorImpl
+from ray_diloco.sync.outer import state_digest
 from ray_diloco.worker import SLOW_REGION_ENV_VAR
 
 
@@ -155,3 +164,51 @@ def test_a_sigterm_during_start_up_ends_the_driver_in_one_line_leaving_nothing(t
     assert "[driver] stopped on request before training started" in out, out[-3000:]  # the CLI's one line
     assert not (tmp_path / "early" / "summary.json").exists()
     assert_gone(started)
+
+
+def two_regions_of_one_driver(tmp_path, overlap: bool) -> list[SyncActorImpl]:
+    cfg = small_run(tmp_path, "agreed-stop", workers=[1, 1], outer_steps=4, matchmaking_seconds=5.0)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256),
+                              outer=dataclasses.replace(cfg.outer, overlap=overlap))
+    first = SyncActorImpl(cfg.to_dict(), "r0")
+    try:
+        return [first, SyncActorImpl(cfg.to_dict(), "r1", initial_peers=first.multiaddrs())]
+    except BaseException:
+        first.shutdown()
+        raise
+
+
+def moved(actor: SyncActorImpl, seed: int) -> dict:
+    """θ_global moved a little, as H inner steps would (one worker: the shard is the whole tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: t + 1e-3 * torch.randn(t.shape, generator=g) for name, t in actor.global_state().items()}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_a_stop_that_reached_one_region_of_a_driver_before_the_round_ends_both_at_its_step(tmp_path, overlap):
+    """`ray job stop`: the driver forwards the request to each of its SyncActors; here r0 has it when it hands in
+    its round, r1 only after the round (the order the two deliveries may take on a loaded machine). Before the
+    round's agreement (policy.stops_after_round), r0 ended at step 1 and r1 trained on to a round alone, after
+    waiting outer.max_wait_seconds for r0, and checkpointed another step: a resubmit no longer continued to the
+    model of an uninterrupted run (a CI failure of test_job_submit)."""
+    r0, r1 = two_regions_of_one_driver(tmp_path, overlap)
+    try:
+        async def stop_reaching_r0_first():
+            r0.request_stop()
+            first = await asyncio.gather(r0.exchange(0, 0, 1, moved(r0, 1), tokens=1000),
+                                         r1.exchange(0, 0, 1, moved(r1, 2), tokens=1000))
+            r1.request_stop()  # its delivery, after the round
+            if not overlap:
+                return first
+            # r0 blocked on the round (it was stopping); r1's ran in the background while its workers trained on:
+            # they hand in the next window, and end at the step the round agreed on.
+            return [first[0], await r1.exchange(1, 0, 1, moved(r1, 3), tokens=1000)]
+
+        (step0, rows0, stop0), (step1, rows1, stop1) = asyncio.run(stop_reaching_r0_first())
+    finally:
+        for actor in (r1, r0):
+            actor.shutdown()
+    assert stop0 and stop1, (stop0, stop1)
+    assert step0 == step1 == 1 == r0.outer_step() == r1.outer_step()
+    assert r0.last_round()["group_size"] == r1.last_round()["group_size"] == 2
+    assert state_digest(from_wire(rows0)) == state_digest(from_wire(rows1)) == r0.digest() == r1.digest()

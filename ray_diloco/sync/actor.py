@@ -153,6 +153,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         cfg = self.config
         self._rounds: dict[int, PendingRound] = {}
         self.stop_requested = False
+        self._stop_at: int | None = None  # the step a round agreed to stop at (Rounds._stopped_in_flight)
         self._state_lock = threading.Lock()  # _set_state (executor threads) against resume_state's reads
         self._running_round: asyncio.Event | None = None  # done-event of the round being applied now
         # Overlap: where the region's workers train from now (None: θ_global itself), the step they were told,
@@ -329,7 +330,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             self._running_round = pending.done
             try:
                 pending.new_global, pending.reached = await self._complete_round(outer_step, pending)
-                pending.stop = self.stop_requested
+                # As the round agreed; a round that did not end (abandoned) or runs on (overlapped): the request.
+                pending.stop = self.stop_requested if pending.stop_agreed is None else pending.stop_agreed
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
             finally:
@@ -357,6 +359,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 raise self._node_does_not_answer()
         except Exception:  # noqa: BLE001 — it failed before its outer step (recorded by _round): the same
             self._drop_overlap_base()
+        if self._stopped_in_flight(pending):
+            return {name: t.clone() for name, t in self.outer.global_state().items()}, self.outer.step_count
         pending.inner_report = dict(self.inner_report)  # an overlapped round ends after the next window's note
         now = time.perf_counter()  # the others' deadline counts from policy.round_arrival, up to a window later
         pending.idle_after = policy.round_arrival(now, self._round_ended, pending.first_in - self._handed_back) - now

@@ -78,7 +78,7 @@ class CompressedRounds:
                                             chunk_timeout=cfg.outer.averaging_timeout)
 
     def _average_compressed(self, delta: dict[str, torch.Tensor], tokens: int, outer_step: int,
-                            expected: int) -> RoundResult:
+                            expected: int, flags: dict | None = None) -> RoundResult:
         """The round's decoded, token-weighted mean of the group's payloads (runs in an executor thread), with the
         compressor state after it: `Rounds` stores that state when the round's outer step applies, so an abandoned
         round moves neither θ_global nor what the region owes."""
@@ -89,7 +89,7 @@ class CompressedRounds:
             result = self._compressed_result([(tokens, payload)], [self.region], start, len(payload))
         else:
             try:
-                result = self._exchange_payloads(payload, tokens, outer_step, expected, start)
+                result = self._exchange_payloads(payload, tokens, outer_step, expected, start, flags or {})
             except Exception as error:  # the region goes on alone this round rather than dying
                 self.record_event("averaging_error", error=repr(error)[:300])
                 logger.warning("[%s] round %d: the payload exchange failed (%r); using the own payload",
@@ -99,24 +99,26 @@ class CompressedRounds:
         return dataclasses.replace(result, method_state=state)
 
     def _exchange_payloads(self, payload: bytes, tokens: int, outer_step: int, expected: int,
-                           start: float) -> RoundResult:
+                           start: float, flags: dict) -> RoundResult:
         # The next round's averager (a forked process) starts only after our payloads are fetched and served: a
         # fork would hold every stream open at that moment open in the child too, and its peer would never see
         # the stream end (measured: a fetch hung until its timeout whenever the fork fell inside it).
         try:
-            return self._form_and_fetch(payload, tokens, outer_step, expected, start)
+            formed, result = self._form_and_fetch(payload, tokens, outer_step, expected, start, flags)
+            return dataclasses.replace(result, members=formed.members)  # the group's flags (a stop)
         finally:
             self.averager.prepare_next_round()
 
     def _form_and_fetch(self, payload: bytes, tokens: int, outer_step: int, expected: int,
-                        start: float) -> RoundResult:
+                        start: float, flags: dict) -> tuple[RoundResult, RoundResult]:
+        """The group formed (its gather) and the round's result."""
         self.payloads.offer(outer_step, payload)
         decoder = self.compressor.decoder_digest()
         formed = self.averager.average(
             {"round": torch.ones(MARKER_VALUES)}, weight=float(tokens), round_index=outer_step,
             expected_regions=expected, checked_finite=True, prepare_next=False,
-            gather={"payload_bytes": len(payload), "payload_digest": payload_digest(payload), "tokens": tokens,
-                    "decoder": decoder})
+            gather={**flags, "payload_bytes": len(payload), "payload_digest": payload_digest(payload),
+                    "tokens": tokens, "decoder": decoder})
         for peer, what in self.averager.take_rejections():
             self.peer_rejected(peer, what)
         own_peer = str(self.averager.dht.peer_id)
@@ -127,8 +129,9 @@ class CompressedRounds:
                 self.peer_rejected(peer, "a round with malformed or conflicting payload metadata")
         if not any(peer == own_peer for peer, *_ in members) or len(members) <= 1:
             # Alone: nobody came, the round failed before a group formed, or another peer claimed our region.
-            return self._compressed_result([(tokens, payload)], [self.region], start, len(payload),
-                                           consistent=formed.consistent and len(members) <= 1, error=formed.error)
+            return formed, self._compressed_result([(tokens, payload)], [self.region], start, len(payload),
+                                                   consistent=formed.consistent and len(members) <= 1,
+                                                   error=formed.error)
         self.payloads.set_group(outer_step, [peer for peer, *_ in formed.members])
         weighted, regions, failed, received = self._fetch_members(members, own_peer, payload, outer_step, start)
         self.payloads.wait_served(outer_step, len(members) - 1, SERVED_WAIT_SECONDS)
@@ -136,7 +139,7 @@ class CompressedRounds:
         if failed:
             logger.warning("[%s] round %d: payloads missing (%s); this region's sum differs from the others'",
                            self.region, outer_step, error)
-        return self._compressed_result(
+        return formed, self._compressed_result(
             weighted, regions, start, len(payload), consistent=formed.consistent and not failed, error=error,
             bytes_sent=formed.bytes_sent + self.payloads.served(outer_step),
             bytes_received=formed.bytes_received + received, timings=formed.timings)

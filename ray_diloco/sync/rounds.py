@@ -54,7 +54,8 @@ class PendingRound:
     new_global: dict[str, torch.Tensor] | None = None
     error: BaseException | None = None
     first_in: float = field(default_factory=time.perf_counter)  # the first rank's shards arrived
-    stop: bool = False  # a stop was requested before the round ended: every rank checkpoints and ends here
+    stop: bool = False  # the region ends at this round (a stop request): every rank checkpoints and ends here
+    stop_agreed: bool | None = None  # the round's decision (policy.stops_after_round); None: it did not end
     reached: int = 0  # the outer step the workers go on from
     overlapped: bool = False  # the round runs while the workers train on (outer.overlap)
     idle_after: float = 0.0  # seconds from the round's start to the time the others' deadline counts from
@@ -88,7 +89,12 @@ class Rounds:
             expected = decision.expected
         rendezvous_seconds = time.perf_counter() - start
         outer_step, tokens = self.outer.step_count, sum(pending.tokens_by_rank.values())
-        result = await self._average(delta, tokens, outer_step, expected)
+        asked = self.stop_requested  # handed to the group with Δ: the same decision in every region of our driver
+        result = await self._average(delta, tokens, outer_step, expected, {"stop": asked})
+        pending.stop_agreed = policy.stops_after_round(asked, [data for _, data in result.members],
+                                                       frozenset(r.name for r in self.config.local_regions()))
+        if pending.stop_agreed:  # workers already handed back (overlapped, or the round ran past its bound and
+            self._stop_at = outer_step + 1  # finished in the background) end at their next hand-in
         reduce_seconds = time.perf_counter() - start
         new_global = self.outer.step(result.averaged)
         if result.method_state is not None:  # with the outer step, never without it (compressed.py)
@@ -118,21 +124,34 @@ class Rounds:
             new_global = self.outer.global_state()  # the canonical state, if the last round left us apart
         return new_global
 
+    def _stopped_in_flight(self, pending: PendingRound) -> bool:
+        """Whether a round that ended after its workers were handed back (overlapped, or finished in the
+        background past its bound) agreed to stop (policy.stops_after_round) while they trained on: the regions
+        of our driver that blocked on it ended there, and so do these. Their window is not averaged; after a
+        resubmit it is read again (the data position stays that round's), and its inner steps are lost."""
+        if self._stop_at is None or self.outer.step_count < self._stop_at:
+            return False
+        self._drop_overlap_base()
+        pending.stop_agreed = True
+        return True
+
     async def _in_executor(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
-    async def _average(self, delta: dict[str, torch.Tensor], tokens: int, outer_step: int, expected: int):
+    async def _average(self, delta: dict[str, torch.Tensor], tokens: int, outer_step: int, expected: int,
+                       flags: dict):
         """Δ averaged with the group of `expected` regions (alone: own Δ through the same codec rounding, so the
-        result matches a multi-region run); an averaging error costs this round, not the region."""
+        result matches a multi-region run); an averaging error costs this round, not the region. `flags` go to
+        every member with the group (RoundResult.members)."""
         if self.compressor is not None:  # sparseloco, dct: payloads all-gathered (compressed.py)
-            return await self._in_executor(self._average_compressed, delta, tokens, outer_step, expected)
+            return await self._in_executor(self._average_compressed, delta, tokens, outer_step, expected, flags)
         compression = self.config.outer.compression
         if self.averager is None:
             return own_result(compression, self.region, delta)
         try:
             result = await self._in_executor(lambda: self.averager.average(
                 delta, weight=float(max(tokens, 1)), round_index=outer_step, expected_regions=expected,
-                checked_finite=True))
+                checked_finite=True, gather=flags))
             for peer, what in self.averager.take_rejections():  # joins its averager refused (a secret's run)
                 self.peer_rejected(peer, what)
         except Exception as error:  # the region goes on alone this round rather than dying
