@@ -211,6 +211,9 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
         assert stop.returncode == 0 and "was stopped" in job_status(head, job_id), stop.stdout[-2000:] + stop.stderr
         first = json.loads((storage / "first" / "summary.json").read_text())
         assert first["stopped"] and 1 <= max(r["outer_step"] for r in first["rounds"]["region-a"]) + 1 < 6
+        # Both regions ended at the same outer step, whichever SyncActor the stop reached first.
+        ends = {region: [r["outer_step"] for r in rounds][-1:] for region, rounds in first["rounds"].items()}
+        assert ends["region-a"] == ends["region-b"], run_story(first=first)
 
         (clone / "ray_diloco" / "__init__.py").write_text(  # any edit: Ray uploads a new package
             (clone / "ray_diloco" / "__init__.py").read_text() + "\n# edited between the two submits\n")
@@ -235,5 +238,19 @@ def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_
     assert resumed["data_fingerprint"] == whole["data_fingerprint"]  # no window twice, none skipped
     a, b = (load_file(storage / name / "model" / "model.safetensors") for name in ("first", "whole"))
     assert a.keys() == b.keys()
+    story = run_story(first=first, resumed=resumed, whole=whole)  # where they part: which round, who was in it
     for key in a:  # the same θ_global, to the fp16 wire's rounding
-        assert torch.allclose(a[key], b[key], rtol=0, atol=1e-3), key
+        assert torch.allclose(a[key], b[key], rtol=0, atol=1e-3), (key, story)
+
+
+def run_story(**summaries: dict) -> str:
+    """What a failed comparison needs: each run's rounds (region, outer step, group, consistent) and events."""
+    lines = []
+    for name, summary in summaries.items():
+        lines.append(f"{name} (stopped: {summary.get('stopped')}):")
+        for region, rounds in summary["rounds"].items():
+            lines.append(f"  {region}: " + ", ".join(
+                f"{r['outer_step']}/{r['group_size']}{'' if r.get('consistent', True) else '!'}/{r['digest'][:8]}"
+                for r in rounds))
+        lines += [f"  {e}" for e in summary["events"]]
+    return "\n".join(lines)
