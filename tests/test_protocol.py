@@ -268,8 +268,6 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
         name in out.finished for name, _ in out.abandoned_by_restart),
     "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
         lambda out: any(name in out.finished for name, _ in out.finished_in_background),
-    "an overlapped round agreed to stop; its workers ended at its step, and the region, resubmitted, finished":
-        lambda out: any(name in out.finished for name, _ in out.stopped_in_flight),
     "two groups formed for one round and left their members on different states; they finished on one": lambda out:
         any(len({r["after"][m][1] for r in out.rounds if r["step"] == step for m in r["after"]}) > 1
             for step in out.splits) and len(out.finished) > 1,
@@ -290,8 +288,6 @@ STRATEGIES = {"blocking": lambda: schedules(), "overlapped": lambda: schedules()
 # rarely, and running a real SyncActor test first made them miss it; with schedules that hang 2-3 rounds in a row
 # it is reached whatever ran before; the same for a round hung after its step, with schedules that always hang one.
 ONLY = {"a round hung in flight and the next round abandoned it; the region finished": ("overlapped",),
-        "an overlapped round agreed to stop; its workers ended at its step, and the region, resubmitted, finished":
-            ("overlapped",),
         "a group restarted while its round hung in flight, abandoned it and finished": ("overlapped",),
         "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
             ("blocking, hung after a step",),
@@ -299,9 +295,28 @@ ONLY = {"a round hung in flight and the next round abandoned it; the region fini
             ("blocking, hung in a row", "overlapped, hung in a row")}
 
 
+@pytest.fixture
+def draws_independent_of_loaded_modules(monkeypatch):
+    """Hypothesis mixes constants from every loaded module of this project into its draws, so the derandomized
+    search drew other schedules after another test file had imported more of ray_diloco: coverage paths were
+    missed or reached depending on which tests ran first (a run after tests/test_stop.py missed the crashed
+    region's replay). Without those constants the draws are the same whatever ran before. Where a Hypothesis
+    version has no such hook, nothing changes."""
+    from hypothesis.internal.conjecture import providers
+
+    if not hasattr(providers, "_get_local_constants") or not hasattr(providers, "CONSTANTS_CACHE"):
+        yield
+        return
+    empty = providers.Constants()
+    monkeypatch.setattr(providers, "_get_local_constants", lambda: empty)
+    providers.CONSTANTS_CACHE.cache.clear()
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()
+
+
 @pytest.mark.parametrize("path, strategy", [(path, strategy) for path in sorted(REACHED)
                                             for strategy in ONLY.get(path, ("blocking", "overlapped"))])
-def test_the_random_schedules_reach_each_path(path, strategy):
+def test_the_random_schedules_reach_each_path(path, strategy, draws_independent_of_loaded_modules):
     schedules_of = STRATEGIES[strategy]()
     try:
         example = find(schedules_of, lambda schedule: REACHED[path](simulate(schedule)[0]), settings=COVERAGE_SETTINGS)
