@@ -111,10 +111,6 @@ class _Region:
     hung_node: tuple | None = None  # while its Hivemind node hangs: (the state it no longer serves,)
     # What the simulator saw (not the actor's count): rounds abandoned in a row with no round ended nor group failed
     seen_abandoned: int = 0
-    # A stop (`ray job stop`) as the round saw it: asked when its Δ was handed in (policy.stops_after_round);
-    # an overlapped round that agreed to stop ends the region at its step at the next hand-in.
-    asked_stop: bool = False
-    stop_at: int | None = None
 
 
 @dataclass
@@ -134,8 +130,6 @@ class Outcome:
     abandoned: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each abandoned round
     abandoned_in_flight: list[tuple[str, int]] = field(default_factory=list)  # ... of those, abandoned in flight
     finished_in_background: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it applied)
-    # (region, step): an overlapped round agreed to stop; its workers, a window ahead, ended at its step
-    stopped_in_flight: list[tuple[str, int]] = field(default_factory=list)
     abandoned_by_restart: list[tuple[str, int]] = field(default_factory=list)  # ... in flight, by a restarted group
     failures: dict[str, int] = field(default_factory=dict)  # region -> its group's failures (Ray Train restarts)
     splits: list[int] = field(default_factory=list)  # outer steps whose round formed two groups

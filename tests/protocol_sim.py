@@ -143,8 +143,6 @@ class Simulator(World):
             # both windows (SyncActorImpl._drop_overlap_base).
             base_theta = {k: v.clone() for k, v in region.outer.global_state().items()}
             delta = region.outer.pseudo_gradient(local)
-        if self._stopped_in_flight(region):
-            return True
         handed_in = self.now
         # As SyncActorImpl._complete_round: the deadline counts from when the region would be in had its last
         # round blocked (= now without overlap).
@@ -194,10 +192,7 @@ class Simulator(World):
             else:
                 self.publish(region, policy.published_group(group, consistent))
             log["after"][name] = full_key(region.outer)
-        # Each region is a driver of its own here: only its own request counts (policy.stops_after_round).
-        agreed = policy.stops_after_round(region.asked_stop, [], frozenset({name})) if result is not None else None
-        return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned,
-                                             stop_agreed=agreed))
+        return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned))
 
     def _hang(self, region: _Region):
         """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
@@ -304,24 +299,22 @@ class Simulator(World):
         region.round_ended = self.now
         return False
 
-    def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool,
-                     stop_agreed: bool | None = None):
+    def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool):
         """The window counted, a checkpoint where the workers take one (not again for an abandoned round, which
         did not advance), then the end (T reached, or a stop). Returns True when the region ended."""
         name, s = region.plan.name, self.s
         if region.outer.step_count > s.target:
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
         self._consume(region, window)
-        # As SyncActorImpl.exchange: a round that ran ends the region where it agreed to (a stop asked when its Δ
-        # was handed in); one that did not, where a stop was asked by now. An overlapped round was handed back at
-        # once: if it agreed to stop, the workers end at its step at their next hand-in (_stopped_in_flight).
-        stopping = self._stopping(region.plan) if stop_agreed is None else stop_agreed
-        if region.overlapped is not None:
-            if stop_agreed:
-                region.stop_at = region.outer.step_count
-            stopping = False
+        # As the SyncActor: a stop asked before a blocking round ended ends the region there (an overlapped
+        # round was handed back at once: the stop comes with the next round, which then blocks). Each region here
+        # is a driver of its own: no other region's request counts (a driver's regions: not modelled).
+        asked = self._stopping(region.plan)
+        stopping = (policy.stops_after_round(asked, [], frozenset({name}), asked_since=asked)
+                    and region.overlapped is None)
         if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced):
-            self._checkpoint(region)
+            self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
+                                      dict(region.outer.momentum_state()), region.progress)
         if not self.rules.atomic_handshake and any(arrived < t <= self.now for t in region.plan.restarts):
             region.stale_base = before_round  # the old handshake: a group restarted during the round took this
         if region.outer.step_count >= s.target:
@@ -334,22 +327,6 @@ class Simulator(World):
             self._stop(region)
             return True
         return False
-
-    def _checkpoint(self, region: _Region) -> None:
-        self.checkpoints[region.plan.name] = (region.outer.step_count, dict(region.outer.global_state()),
-                                              dict(region.outer.momentum_state()), region.progress)
-
-    def _stopped_in_flight(self, region: _Region) -> bool:
-        """As Rounds._stopped_in_flight: the overlapped round before agreed to stop; the workers, a window ahead,
-        end at its step with a checkpoint of it (their window is not averaged, nor counted: read again after a
-        resubmit)."""
-        if region.stop_at is None or region.outer.step_count < region.stop_at:
-            return False
-        region.overlapped = None
-        self.out.stopped_in_flight.append((region.plan.name, region.outer.step_count))
-        self._checkpoint(region)
-        self._stop(region)
-        return True
 
     def _stopping(self, plan: RegionPlan) -> bool:
         return plan.stop_at is not None and plan.stop_at <= self.now and plan.name not in self.stops_served
@@ -403,7 +380,6 @@ class Simulator(World):
             elif isinstance(action, policy.Finish):
                 return None
             else:
-                region.asked_stop = self._stopping(region.plan)  # as Rounds._run_round: handed in with Δ
                 asked = self.now
                 result = yield _Request(name, region.outer.step_count, delta, 1.0, action.expected,
                                         full_key(region.outer), None, region.incarnation)

@@ -34,3 +34,17 @@ def test_bad_arguments_are_one_line_and_exit_2(script, argv, message):
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"{script}: error: {message}"), done.stderr
     assert done.stderr.count("\n") == 1 and not done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_the_wan_benchmarks_region_configs_are_valid(tmp_path, overlap):
+    """Its long bounds (a 20 Mbit/s link) need a stop timeout of two rounds: its overlapped cells were refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import wan
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from ray_diloco.config import ExperimentConfig
+
+    path = wan.region_config(wan.build_parser().parse_args([]), "cell", "r0", overlap, tmp_path)
+    assert ExperimentConfig.from_yaml(path.read_text()).outer.overlap == overlap

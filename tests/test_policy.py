@@ -275,3 +275,8 @@ def test_a_stop_asked_by_a_region_of_the_same_driver_in_the_round_ends_every_suc
     assert not stops_after_round(False, [{"region": "x", "stop": True}, {"region": "b"}], ours)
     assert not stops_after_round(False, [asks, {"region": "a", "stop": False}, {"region": "b"}], ours)
     assert not stops_after_round(False, ["a", None, {"region": "a", "stop": "yes"}], ours)
+    # A gather naming its region by a list or a dict is no claim (it used to raise: every member's round failed).
+    assert not stops_after_round(False, [{"region": ["a"], "stop": True}, {"region": {}, "stop": True}], ours)
+    # A request that came during the round ends the next one, but for a region alone in its driver: the round's.
+    assert not stops_after_round(False, [{"region": "b"}], ours, asked_since=True)
+    assert stops_after_round(False, [{"region": "a"}, {"region": "x"}], frozenset({"a"}), asked_since=True)

@@ -105,6 +105,10 @@ def test_a_stop_timeout_shorter_than_one_rounds_waits_is_refused_naming_the_fiel
         ExperimentConfig.from_yaml("run: {stop_timeout_seconds: 100}")
     with pytest.raises(ConfigError, match=r"two rounds.* = 840 s"):  # overlap: the round in flight, then the stop's
         ExperimentConfig.from_yaml("outer: {overlap: true}\nrun: {stop_timeout_seconds: 600}")
+    two = "regions: [{name: a, workers: 1}, {name: b, workers: 1}]\n"
+    with pytest.raises(ConfigError, match=r"an all-reduce in progress, then one round's .* = 540 s"):
+        ExperimentConfig.from_yaml(two + "run: {stop_timeout_seconds: 500}")  # a request mid-round ends the next
+    ExperimentConfig.from_yaml(two + "run: {stop_timeout_seconds: 500, local_regions: [a]}")  # alone in its driver
     for preset in ("tiny-cpu", "150m", "1b"):  # the defaults hold
         assert main(["config", "--preset", preset]) == 0
 

@@ -360,18 +360,22 @@ def checkpoints_at(reached: int, every: int, stopping: bool, advanced: bool = Tr
     return stopping or bool(advanced and every and reached % every == 0)
 
 
-def stops_after_round(asked: bool, members: list[dict], own_driver: frozenset[str]) -> bool:
+def stops_after_round(asked: bool, members: list, own_driver: frozenset[str], asked_since: bool = False) -> bool:
     """Whether a region ends its run after a round on a stop request (`ray job stop`, SIGTERM): where it had
     asked when it handed in its Δ (`asked`, in the round's gather), or a member of its group run by the same
     driver (a region of `own_driver`) had. Every member of a group gets the same gather, so the regions of one
     driver that averaged together stop at the same outer step. Deciding on the flag as the round ended instead,
     a stop that reached one region's SyncActor just before the round ended and the other's just after split
     them: one ran a round more, alone, after waiting outer.max_wait_seconds for the other, and the run no longer
-    continued to the model of an uninterrupted one. A request that comes after the hand-in ends the next round."""
-    members = [m for m in members if isinstance(m, dict)]  # a peer's gather: checked before use
-    claims = Counter(m.get("region") for m in members)  # a region claimed twice: neither claim counts
-    return asked or any(m.get("stop") is True and m.get("region") in own_driver and claims[m.get("region")] == 1
-                        for m in members)
+    continued to the model of an uninterrupted one. A request that comes after the hand-in ends the next round,
+    except for a region alone in its driver (`asked_since`: asked by the round's end), which nobody can split
+    from. `members`: the peers' gathers, checked here (a region named by a string, claimed once; a flag True)."""
+    if len(own_driver) <= 1:
+        return asked or asked_since
+    gathers = [m for m in members if isinstance(m, dict) and isinstance(m.get("region"), str)]
+    claims = Counter(m["region"] for m in gathers)  # a region claimed twice: neither claim counts
+    return asked or any(m.get("stop") is True and m["region"] in own_driver and claims[m["region"]] == 1
+                        for m in gathers)
 
 
 def may_overlap(*, overlap: bool, reached: int, target: int, checkpoint_every: int, stopping: bool,

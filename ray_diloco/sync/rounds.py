@@ -91,10 +91,11 @@ class Rounds:
         outer_step, tokens = self.outer.step_count, sum(pending.tokens_by_rank.values())
         asked = self.stop_requested  # handed to the group with Δ: the same decision in every region of our driver
         result = await self._average(delta, tokens, outer_step, expected, {"stop": asked})
-        pending.stop_agreed = policy.stops_after_round(asked, [data for _, data in result.members],
-                                                       frozenset(r.name for r in self.config.local_regions()))
-        if pending.stop_agreed:  # workers already handed back (overlapped, or the round ran past its bound and
-            self._stop_at = outer_step + 1  # finished in the background) end at their next hand-in
+        ours = frozenset(r.name for r in self.config.local_regions())
+        pending.stop_agreed = policy.stops_after_round(asked, [data for _, data in result.members], ours,
+                                                       asked_since=self.stop_requested)
+        if pending.stop_agreed and len(ours) > 1:  # workers already handed back (overlapped, or the round ran
+            self._stop_at = outer_step + 1  # past its bound) end at their next hand-in, as the others did here
         reduce_seconds = time.perf_counter() - start
         new_global = self.outer.step(result.averaged)
         if result.method_state is not None:  # with the outer step, never without it (compressed.py)
