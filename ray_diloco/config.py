@@ -428,25 +428,10 @@ class ExperimentConfig:
         _require(self.run.mode == "diloco" or not self.run.local_regions, "run.local_regions",
                  "only DiLoCo runs span Ray clusters; ddp and single run in one")
         from ray_diloco.network import check_network  # a module of its own: the network settings of regions
+        from ray_diloco.stopping import check_stop_timeout  # and the rounds a stop may wait for
 
         check_network(self)
-        self._check_stop_timeout()
-
-    def _check_stop_timeout(self) -> None:
-        """run.stop_timeout_seconds holds the rounds a stop may wait for. With outer.overlap a stop first ends the
-        round in flight, then runs the stop's own: two rounds. Blocking, with several regions in this driver, a
-        request that comes while they average ends the round after (policy.stops_after_round): the all-reduce in
-        progress, then one round."""
-        outer, rounds = self.outer, 2 if self.outer.overlap else 1
-        in_progress = not outer.overlap and len(self.local_regions()) > 1
-        bound = rounds * (outer.max_wait_seconds + outer.averaging_timeout) + in_progress * outer.averaging_timeout
-        what = ("two rounds' wait and all-reduce (2 x (outer.max_wait_seconds + outer.averaging_timeout)" if rounds == 2
-                else "an all-reduce in progress, then one round's wait and all-reduce (outer.max_wait_seconds + "
-                "2 x outer.averaging_timeout" if in_progress
-                else "one round's wait and all-reduce ((outer.max_wait_seconds + outer.averaging_timeout)")
-        _require(self.run.mode != "diloco" or self.run.stop_timeout_seconds >= bound, "run.stop_timeout_seconds",
-                 f"{self.run.stop_timeout_seconds:g} s cannot hold {what} = {bound:g} s), before the rest of a "
-                 "window: raise it, or lower those two")
+        check_stop_timeout(self)
 
     def check_elastic(self) -> None:
         """Worker ranges only where one region runs in this Ray cluster (checked once the flags are applied: the

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any
 
+from ray_diloco.config_fields import require
+
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -32,6 +34,23 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # run.stop_timeout_seconds before it kills a stopped job (RAY_JOB_STOP_WAIT_TIME_S). The final evaluation runs
 # on the driver's CPU: for the tiny and 150m presets well inside this; not for 1b (see README, "Stopping").
 FINISHING_MARGIN_SECONDS = 120.0
+
+
+def check_stop_timeout(cfg: Any) -> None:
+    """run.stop_timeout_seconds must hold the rounds a stop may wait for (a one-line ConfigError naming the fields
+    where it does not). With outer.overlap a stop first ends the round in flight, then runs the stop's own: two
+    rounds. Blocking, with several regions in this driver, a request that comes while they average ends the round
+    after (policy.stops_after_round): the all-reduce in progress, then one round."""
+    outer, rounds = cfg.outer, 2 if cfg.outer.overlap else 1
+    in_progress = not outer.overlap and len(cfg.local_regions()) > 1
+    bound = rounds * (outer.max_wait_seconds + outer.averaging_timeout) + in_progress * outer.averaging_timeout
+    what = ("two rounds' wait and all-reduce (2 x (outer.max_wait_seconds + outer.averaging_timeout)" if rounds == 2
+            else "an all-reduce in progress, then one round's wait and all-reduce (outer.max_wait_seconds + "
+            "2 x outer.averaging_timeout" if in_progress
+            else "one round's wait and all-reduce ((outer.max_wait_seconds + outer.averaging_timeout)")
+    require(cfg.run.mode != "diloco" or cfg.run.stop_timeout_seconds >= bound, "run.stop_timeout_seconds",
+            f"{cfg.run.stop_timeout_seconds:g} s cannot hold {what} = {bound:g} s), before the rest of a "
+            "window: raise it, or lower those two")
 
 
 class RunStopped(BaseException):
