@@ -13,17 +13,15 @@
 """
 
 import asyncio
-import dataclasses
 import json
 import os
 import signal
 import time
 
 import pytest
-import torch
 import yaml
 
-from conftest import Driver, RunInThread, assert_gone, driver_env, small_run, wait_for
+from conftest import Driver, RunInThread, assert_gone, driver_env, wait_for
 from ray_diloco.cli import main
 from ray_diloco.config import ConfigError, ExperimentConfig
 from ray_diloco.sharding import from_wire
@@ -31,6 +29,7 @@ from ray_diloco.stopping import RunStop, RunStopped
 from ray_diloco.sync.actor import SyncActorImpl
 from ray_diloco.sync.outer import state_digest
 from ray_diloco.worker import SLOW_REGION_ENV_VAR
+from test_sync_actor import config, trained
 
 
 def test_a_stop_during_start_up_ends_the_run_there_before_training():
@@ -171,21 +170,14 @@ def test_a_sigterm_during_start_up_ends_the_driver_in_one_line_leaving_nothing(t
 
 
 def two_regions_of_one_driver(tmp_path, overlap: bool) -> list[SyncActorImpl]:
-    cfg = small_run(tmp_path, "agreed-stop", workers=[1, 1], outer_steps=4, matchmaking_seconds=5.0)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256),
-                              outer=dataclasses.replace(cfg.outer, overlap=overlap))
-    first = SyncActorImpl(cfg.to_dict(), "r0")
+    cfg = config(tmp_path, "agreed-stop", [1, 1], outer_steps=4, matchmaking_seconds=5.0)
+    cfg["outer"]["overlap"] = overlap
+    first = SyncActorImpl(cfg, "r0")
     try:
-        return [first, SyncActorImpl(cfg.to_dict(), "r1", initial_peers=first.multiaddrs())]
+        return [first, SyncActorImpl(cfg, "r1", initial_peers=first.multiaddrs())]
     except BaseException:
         first.shutdown()
         raise
-
-
-def moved(actor: SyncActorImpl, seed: int) -> dict:
-    """θ_global moved a little, as H inner steps would (one worker: the shard is the whole tensor)."""
-    g = torch.Generator().manual_seed(seed)
-    return {name: t + 1e-3 * torch.randn(t.shape, generator=g) for name, t in actor.global_state().items()}
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
@@ -199,14 +191,14 @@ def test_a_stop_that_reached_one_region_of_a_driver_before_the_round_ends_both_a
     try:
         async def stop_reaching_r0_first():
             r0.request_stop()
-            first = await asyncio.gather(r0.exchange(0, 0, 1, moved(r0, 1), tokens=1000),
-                                         r1.exchange(0, 0, 1, moved(r1, 2), tokens=1000))
+            first = await asyncio.gather(r0.exchange(0, 0, 1, trained(r0, 1), tokens=1000),
+                                         r1.exchange(0, 0, 1, trained(r1, 2), tokens=1000))
             r1.request_stop()  # its delivery, after the round
             if not overlap:
                 return first
             # r0 blocked on the round (it was stopping); r1's ran in the background while its workers trained on:
             # they hand in the next window, and end at the step the round agreed on.
-            return [first[0], await r1.exchange(1, 0, 1, moved(r1, 3), tokens=1000)]
+            return [first[0], await r1.exchange(1, 0, 1, trained(r1, 3), tokens=1000)]
 
         (step0, rows0, stop0), (step1, rows1, stop1) = asyncio.run(stop_reaching_r0_first())
     finally:
