@@ -27,6 +27,10 @@ def test_a_region_that_departed_early_does_not_hold_the_others_back():
     # Stopped one round apart with checkpoints every 2 (and one at each stop): both go back to 4.
     assert choose_resume_steps({"a": [4, 6], "b": [4, 5]}, interval=2) == {"a": 4, "b": 4}
     assert choose_resume_steps({"r0": [], "r1": []}) == {"r0": None, "r1": None}
+    # Stopped apart with checkpoints every 2, one region holding only a later step: it resumes from it (the other
+    # takes its state), not fresh — a fresh start reads its whole stream again.
+    assert choose_resume_steps({"a": [1], "b": [2]}, interval=2) == {"a": 1, "b": 2}
+    assert choose_resume_steps({"a": [2, 3], "b": [4]}, interval=2) == {"a": 3, "b": 4}
 
 
 @settings(max_examples=300, deadline=None)
@@ -37,7 +41,8 @@ def test_resume_steps_properties(committed, interval):
     plan = choose_resume_steps(committed, interval)
     assert set(plan) == set(committed)
     for region, step in plan.items():
-        assert step is None or step in committed[region]  # only a checkpoint the region really has
+        # only a checkpoint the region really has; a fresh start only for a region that has none
+        assert step in committed[region] if committed[region] else step is None
     newest = {r: max(steps) for r, steps in committed.items() if steps}
     if not newest:
         return

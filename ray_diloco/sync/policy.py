@@ -457,7 +457,9 @@ def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> d
     commits at most that far apart; a region that left early holds only old steps). They resume together from
     the newest step all of them hold, so none re-trains windows already averaged into θ_global; a region
     not in that step (it left early) resumes from its own newest checkpoint before it and catches up from its
-    peers' state, as a joining region does (`startup_records`, `join_target`)."""
+    peers' state, as a joining region does (`startup_records`, `join_target`). A region that holds only steps
+    after it (stopped apart with `checkpoint_every` > 1: {a: [1], b: [2]}) resumes from its oldest: the others
+    then take its state, where a fresh start would have read its whole stream again."""
     newest = {region: max(steps) for region, steps in committed.items() if steps}
     if not newest:
         return {region: None for region in committed}
@@ -465,7 +467,8 @@ def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> d
     staying = [region for region, step in newest.items() if step >= top - max(1, interval)]
     common = set.intersection(*(set(committed[region]) for region in staying))
     target = max(common) if common else min(newest[region] for region in staying)
-    return {region: max((s for s in steps if s <= target), default=None) for region, steps in committed.items()}
+    return {region: max((s for s in steps if s <= target), default=min(steps, default=None))
+            for region, steps in committed.items()}
 
 
 def startup_records(live: list[StateRecord] | None, stored: list[StateRecord],
