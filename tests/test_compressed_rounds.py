@@ -12,6 +12,9 @@ For sparseloco and for dct, three rounds with one worker per region and unequal 
   still bit-identical on every region and equals the recomputed steps;
 * a round abandoned after its payload was made leaves the error feedback as it was; the next round stores exactly
   what a fresh compressor keeps after that round's Δ;
+* a region joining mid-run (sparseloco and dct): r0 and r1 average two rounds, r2 then starts and takes their
+  state at `catch_up`; the third round is one group of three, bit-identical, and equals the step recomputed with
+  r2's compressor fresh from it;
 * an absent region and a re-sync (sparseloco): r2's Δ is NaN in round 2, so it sits out; r0 and r1 average as two
   (group 2, both consistent) and r2 takes their state with its error feedback reset to zero (the stated rule:
   what it owed was on the θ it left); in round 3 all three are one group again and agree bit for bit.
@@ -78,15 +81,18 @@ def one_round(actors: dict[str, SyncActorImpl], step: int) -> None:
     asyncio.run(every_region())
 
 
-def recomputed(cfg: dict, theta: dict[str, torch.Tensor], recorded: dict[str, list[dict]]) -> list[str]:
-    """θ_global's digest after each round, from what the regions sent, in plain PyTorch and Compressors."""
+def recomputed(cfg: dict, theta: dict[str, torch.Tensor], recorded: dict[str, list[dict]],
+               joined: dict[str, int] | None = None) -> list[str]:
+    """θ_global's digest after each round, from what the regions sent, in plain PyTorch and Compressors.
+    `joined`: the round a region first took part in (default 0), its compressor fresh there."""
     outer = ExperimentConfig.from_dict(cfg).outer
     shapes = {name: t.shape for name, t in theta.items()}
     compressors = {region: Compressor(MethodSettings.of(outer), shapes) for region in REGIONS}
+    first = {region: (joined or {}).get(region, 0) for region in REGIONS}
     digests = []
     for step in range(len(recorded["r0"])):
-        payloads = [(recorded[r][step]["tokens"], compressors[r].compress(recorded[r][step]["delta"])[0])
-                    for r in REGIONS]
+        sent = [(r, recorded[r][step - first[r]]) for r in REGIONS if first[r] <= step]
+        payloads = [(round_["tokens"], compressors[r].compress(round_["delta"])[0]) for r, round_ in sent]
         mean = compressors["r0"].aggregate(payloads)
         theta = {name: torch.sub(t, torch.mul(mean[name], cfg["outer"]["lr"])) for name, t in theta.items()}
         digests.append(state_digest(theta))
@@ -160,6 +166,37 @@ def test_a_region_that_sits_out_resyncs_with_its_error_feedback_reset_and_rejoin
     assert r2_state_after_resync == {}  # re-synced: starts its error feedback at zero
     assert all(third[r][0]["group_size"] == 3 and third[r][0]["consistent"] for r in REGIONS)
     assert len({digest for _, digest in third.values()}) == 1
+
+
+@pytest.mark.parametrize("method", ["sparseloco", "dct"])
+def test_a_region_joining_mid_run_takes_the_state_and_its_first_round_is_the_recomputed_step(tmp_path, method):
+    """r0 and r1 average two rounds; r2 then starts (as a region whose cluster came up late), takes their state
+    at `catch_up` with its compressor state empty (a joining region owes nothing on a θ it never trained from),
+    and the third round is one group of three, bit-identical, equal to the step recomputed with r2's compressor
+    fresh from that round on."""
+    cfg = config(tmp_path, method)
+    actors: dict[str, SyncActorImpl] = {}
+    try:
+        actors["r0"] = SyncActorImpl(cfg, "r0", record_rounds=True)
+        actors["r1"] = SyncActorImpl(cfg, "r1", initial_peers=actors["r0"].multiaddrs(), record_rounds=True)
+        initial = actors["r0"].global_state()
+        for step in range(2):
+            one_round(actors, step)
+        actors["r2"] = SyncActorImpl(cfg, "r2", initial_peers=actors["r0"].multiaddrs(), record_rounds=True)
+        assert actors["r2"].catch_up() == 2
+        joined_on = actors["r2"].digest()
+        assert joined_on == actors["r0"].digest() and actors["r2"].compressor.state == {}
+        one_round(actors, 2)
+        rounds = {region: actor.history for region, actor in actors.items()}
+        recorded = {region: actor.recorded for region, actor in actors.items()}
+        joins = [e for e in actors["r2"].events if e["event"] == "region_joined"]
+    finally:
+        stop(actors)
+    assert [r["group_size"] for r in rounds["r0"]] == [2, 2, 3] and len(rounds["r2"]) == 1, rounds
+    assert all(r["consistent"] for region in REGIONS for r in rounds[region])
+    assert len({rounds[region][-1]["digest"] for region in REGIONS}) == 1
+    assert [r["digest"] for r in rounds["r0"]] == recomputed(cfg, initial, recorded, joined={"r2": 2})
+    assert [e["to_step"] for e in joins] == [2], joins
 
 
 def test_overlapped_compressed_rounds_agree_and_equal_the_recomputed_steps(tmp_path):
