@@ -43,6 +43,8 @@ class Rules:
     abandon_hung_rounds: bool = True  # (the actor before d8d263f) a hung round failed the group (Ray Train)
     # (the actor before this was found) an overlapped round abandoned at the next round was not counted in a row
     count_overlapped_hangs: bool = True
+    # (the actor before 534286f) a region stopped on its own request as its round ended, not on its group's
+    agreed_stop: bool = True
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class RegionPlan:
     clock_drift: float = 0.0
     stop_at: float | None = None  # its driver is asked to stop (`ray job stop`): it ends after the round, checkpointed
     resubmit_after: float | None = None  # ... and is submitted again this much later (None: never), continuing
+    driver: str | None = None  # the driver (one Ray cluster) that runs it with others of that name; None: its own
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ class _Request:
     state_key: tuple  # (step, θ digest, momentum digest) when it asked
     process: object
     incarnation: int
+    stop: bool = False  # a stop asked of the region when it handed its Δ in: in the round's gather
 
 
 def initial_theta() -> dict[str, torch.Tensor]:
@@ -179,6 +183,13 @@ def violations(schedule: Schedule, out: Outcome) -> list[str]:
         if r["consistent"] and len(r["members"]) > 1 and set(r["members"]) >= set(r["live"]):
             if len(set(after.values())) > 1:
                 found.append(f"recovery: round {r['step']} with every live region {r['members']} left them apart")
+    drivers = {plan.name: plan.driver or plan.name for plan in schedule.regions}
+    for r in out.rounds:  # every member of a group gets the same gather, so one driver's regions decide as one
+        decided, by_driver = r.get("decided", {}), {}
+        for name, stop in decided.items():
+            by_driver.setdefault(drivers[name], set()).add(stop)
+        if r["consistent"] and any(len(stops) > 1 for stops in by_driver.values()):
+            found.append(f"stop: the regions of one driver in round {r['step']} decided apart {decided}")
     for name, windows in out.windows.items():
         if windows != list(range(len(windows))):
             found.append(f"windows: {name} trained windows {windows} (one twice or skipped)")

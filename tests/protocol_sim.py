@@ -12,6 +12,9 @@ state stays in the run's storage (`policy.with_stored`).
 With `Schedule.overlap` (outer.overlap), the workers go on training the next window from the moment they hand
 in one, from θ_global before the round plus their drift (ray_diloco.sync.actor); a round still runs only after
 the previous one ended, and the last round and checkpointed ones block (`policy.may_overlap`).
+`RegionPlan.driver`: regions run by one driver (one Ray cluster) hand their stop request in with their Δ and
+decide on their group's gathers (`policy.stops_after_round`); the driver's resubmit is modelled per region (each
+continues from its own checkpoint, not `policy.choose_resume_steps`).
 `Schedule.checkpoint_every` (run.checkpoint_every): a crashed region resumes from its last checkpoint and trains
 the windows since then again (`Outcome.replayed`). `Schedule.nonfinite`: a region whose Δ of that window is
 NaN/inf sits the round out and re-syncs from a newer state with `policy.Resync`, or stops (`Outcome.stopped`).
@@ -26,8 +29,8 @@ background (`policy.overdue_round`: FINISH_IN_BACKGROUND; `Outcome.finished_in_b
 abandons it the same way. A hang in the settling after the run's last round is not modelled.
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
-`policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round` and
-`overdue_in_flight`; what it still re-implements is the loop that strings them together (the SyncActor's exchange,
+`policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round`,
+`overdue_in_flight` and `stops_after_round`; what it still re-implements is the loop that strings them together (the SyncActor's exchange,
 `_complete_round` and `_run_round`).
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
@@ -192,7 +195,13 @@ class Simulator(World):
             else:
                 self.publish(region, policy.published_group(group, consistent))
             log["after"][name] = full_key(region.outer)
-        return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned))
+            # A round broken mid-way leaves each member its own result, without the group's gathers.
+            gathers = [{"region": m, "stop": stop} for m, stop in log["stops"].items()] if consistent else []
+            agreement = (log["stops"][name], gathers, log)
+        else:
+            agreement = None
+        return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned,
+                                             agreement=agreement))
 
     def _hang(self, region: _Region):
         """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
@@ -299,19 +308,16 @@ class Simulator(World):
         region.round_ended = self.now
         return False
 
-    def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool):
+    def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool,
+                     agreement: tuple | None = None):
         """The window counted, a checkpoint where the workers take one (not again for an abandoned round, which
-        did not advance), then the end (T reached, or a stop). Returns True when the region ended."""
+        did not advance), then the end (T reached, or a stop). `agreement`: for a round that averaged, (what the
+        region handed in with its Δ, the group's gathers, the round's log). Returns True when the region ended."""
         name, s = region.plan.name, self.s
         if region.outer.step_count > s.target:
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
         self._consume(region, window)
-        # As the SyncActor: a stop asked before a blocking round ended ends the region there (an overlapped
-        # round was handed back at once: the stop comes with the next round, which then blocks). Each region here
-        # is a driver of its own: no other region's request counts (a driver's regions: not modelled).
-        asked = self._stopping(region.plan)
-        stopping = (policy.stops_after_round(asked, [], frozenset({name}), asked_since=asked)
-                    and region.overlapped is None)
+        stopping = self._stop_decision(region, agreement)
         if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced):
             self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
                                       dict(region.outer.momentum_state()), region.progress)
@@ -324,9 +330,42 @@ class Simulator(World):
                 self._at(self.now + s.leave_after_finish, lambda: self._leave(name))
             return True
         if stopping:
+            if region.overlapped is not None:  # Rounds._stopped_in_flight: its workers end at their next hand-in
+                yield from self._end_window_in_flight(region)
             self._stop(region)
             return True
         return False
+
+    def _stop_decision(self, region: _Region, agreement: tuple | None) -> bool:
+        """As Rounds._run_round and SyncActorImpl.exchange: `policy.stops_after_round` on what the members handed
+        in with their Δ (the round's gather); a round that did not average (abandoned, sat out) ends on the request
+        as it ends. The workers of an overlapped round were handed back before it ended: a region alone in its
+        driver stops with its next round (which then blocks); one of several ends them at the agreed step."""
+        asked, own = self._stopping(region.plan), self._driver_regions(region.plan)
+        if agreement is None:
+            return asked and region.overlapped is None
+        handed_in, gathers, log = agreement
+        if self.rules.agreed_stop:
+            stopping = (policy.stops_after_round(handed_in, gathers, own, asked_since=asked)
+                        and (region.overlapped is None or len(own) > 1))
+        else:
+            stopping = asked and region.overlapped is None
+        log["decided"][region.plan.name] = stopping  # what `violations` compares within a driver
+        return stopping
+
+    def _driver_regions(self, plan: RegionPlan) -> frozenset[str]:
+        """The regions of the driver that runs `plan`'s region (itself alone unless the schedule says otherwise)."""
+        if plan.driver is None:
+            return frozenset({plan.name})
+        return frozenset(p.name for p in self.s.regions if p.driver == plan.driver)
+
+    def _end_window_in_flight(self, region: _Region):
+        """The workers handed back by an overlapped round that agreed to stop train their window to its end, then
+        stop at the agreed step without averaging it (their data position stays the round's: it is read again)."""
+        (_, started), region.overlapped = region.overlapped, None
+        jitter = region.plan.jitter
+        duration = region.plan.window_seconds + (jitter[region.progress % len(jitter)] if jitter else 0.0)
+        yield max(0.0, started + duration - self.now)
 
     def _stopping(self, plan: RegionPlan) -> bool:
         return plan.stop_at is not None and plan.stop_at <= self.now and plan.name not in self.stops_served
@@ -382,7 +421,8 @@ class Simulator(World):
             else:
                 asked = self.now
                 result = yield _Request(name, region.outer.step_count, delta, 1.0, action.expected,
-                                        full_key(region.outer), None, region.incarnation)
+                                        full_key(region.outer), None, region.incarnation,
+                                        stop=self._stopping(region.plan))
                 if self.now - asked > s.matchmaking + TRANSFER + 1e-6:
                     self.out.violations.append(f"bounded: {name} waited {self.now - asked:.1f}s in averaging")
                 return result

@@ -3,7 +3,7 @@
 Hypothesis draws schedules of 2-4 regions: window times with persistent skew and spikes, mid-round failures, DHT
 outages (reads and publishes), partial and stale DHT views, worker-group restarts at any moment, departures, late
 joins, crashes that come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and
-resubmissions, rounds with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths,
+resubmissions (also of two regions run by one driver, the request reaching them seconds apart), rounds with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths,
 hosts' clocks apart and drifting, slow or failing state downloads, rounds that hang (one, or several in a row;
 blocking, overlapped, or after the outer step), two groups formed for one round, blocking and overlapped rounds
 (outer.overlap).
@@ -14,7 +14,8 @@ Over each run of today's rules:
   policy.ABANDONED_ROUNDS_LIMIT rounds abandoned in a row without the group failing); liveness (every region
   that did not depart finishes); no Δ against another θ than the workers started from; per region the data
   windows whose round completed or was abandoned are 0, 1, 2, ... (none twice, none skipped);
-* skew: with regions steadily slower than each other by up to max_wait, every round has every region.
+* skew: with regions steadily slower than each other by up to max_wait, every round has every region;
+* stop: the members of a group run by one driver decide alike whether to stop after it.
 Then, for each fault of the protocol issue, the old rule alone is put back and Hypothesis must find a schedule
 that breaks a property (the number of schedules it took is printed).
 Set PROTOCOL_EXAMPLES to run more schedules (default 300, derandomized so CI is reproducible).
@@ -76,10 +77,23 @@ def stop_and_resubmit(draw, times) -> dict:
 
 
 @st.composite
+def stopped_driver_of_two(draw, plans: list[RegionPlan]) -> list[RegionPlan]:
+    """Two regions run by one driver (one Ray cluster), asked to stop: the driver forwards `ray job stop` to their
+    SyncActors one after the other, so the request reaches them up to a few seconds apart."""
+    stop_at = draw(st.floats(0.0, 150.0))  # while the run goes on (2-6 rounds of 20-60 s windows)
+    apart = draw(st.sampled_from([0.0, 0.5, 3.0, 10.0]) | st.floats(0.0, 10.0))
+    resubmit = draw(st.sampled_from([0.0, 30.0, 200.0]))
+    return [dataclasses.replace(plan, driver="one", stop_at=at, resubmit_after=resubmit, depart_at=None)
+            for plan, at in zip(plans, (stop_at, stop_at + apart))]
+
+
+@st.composite
 def schedules(draw, faults: bool = True, crashes: bool = True, hung: bool = False,
-              hung_after_step: bool = False) -> Schedule:
+              hung_after_step: bool = False, one_driver: bool = False) -> Schedule:
     n = draw(st.integers(2, 4))
     plans = [draw(region_plans(NAMES[i], faults, crashes)) for i in range(n)]
+    if one_driver:
+        plans[:2] = draw(stopped_driver_of_two(plans[:2]))
     gone_for_good = lambda p: p.depart_at is not None or (p.stop_at is not None and p.resubmit_after is None)  # noqa: E731
     if all(gone_for_good(p) for p in plans):  # somebody must be left to finish
         plans[0] = dataclasses.replace(plans[0], depart_at=None, resubmit_after=0.0 if plans[0].stop_at else None)
@@ -248,6 +262,15 @@ def test_property_overlapped_skew_up_to_max_wait_averages_every_round(schedule):
     assert not found, found
 
 
+@PROPERTY_SETTINGS
+@given(schedules(one_driver=True) | schedules(one_driver=True).map(overlapped))
+def test_property_the_regions_of_one_driver_that_average_together_stop_together(schedule):
+    """Two regions of one driver asked to stop seconds apart, blocking or overlapped, with every fault: the
+    members of a group who share a driver decide alike (`violations`: stop), and every invariant holds."""
+    _, found = simulate(schedule)
+    assert not found, found
+
+
 COVERAGE_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
 REACHED = {  # paths the random schedules must reach, or the properties above say nothing about them
@@ -273,13 +296,18 @@ REACHED = {  # paths the random schedules must reach, or the properties above sa
             for step in out.splits) and len(out.finished) > 1,
     "reads missed records or saw older ones; the regions finished on one state": lambda out: bool(
         out.partial_reads) and len(out.finished) > 1,
+    "one driver's stop reached one region before it handed in and the other after; both stopped there":
+        lambda out: any(r["decided"].get("a") and r["decided"].get("b") and r["stops"]["a"] != r["stops"]["b"]
+                        for r in out.rounds),  # a and b: the driver's (stopped_driver_of_two)
 }
 
 
 STRATEGIES = {"blocking": lambda: schedules(), "overlapped": lambda: schedules().map(overlapped),
               "blocking, hung in a row": lambda: schedules(hung=True),
               "blocking, hung after a step": lambda: schedules(hung_after_step=True),
-              "overlapped, hung in a row": lambda: schedules(hung=True).map(overlapped)}
+              "overlapped, hung in a row": lambda: schedules(hung=True).map(overlapped),
+              "blocking, one driver of two": lambda: schedules(one_driver=True),
+              "overlapped, one driver of two": lambda: schedules(one_driver=True).map(overlapped)}
 # The paths each strategy must reach, where not the first two. A round hung in flight is an overlapped one, or a
 # blocking one hung after its step, which hardly ever comes up with outer.overlap (the rounds between checkpoints
 # overlap); hung rounds in a row that fail the group do with overlap only where the schedule hangs several rounds
@@ -292,7 +320,9 @@ ONLY = {"a round hung in flight and the next round abandoned it; the region fini
         "a round hung after its outer step, finished in the background, the next abandoned it; the region finished":
             ("blocking, hung after a step",),
         "three hung rounds in a row failed a region's group once; it restarted and finished":
-            ("blocking, hung in a row", "overlapped, hung in a row")}
+            ("blocking, hung in a row", "overlapped, hung in a row"),
+        "one driver's stop reached one region before it handed in and the other after; both stopped there":
+            ("blocking, one driver of two", "overlapped, one driver of two")}
 
 
 @pytest.fixture
@@ -395,6 +425,8 @@ OLD_RULES = {
         Rules(abandon_hung_rounds=False), schedules(hung=True)),
     "issue 22: overlapped rounds that hang are never counted in a row: the region trains on without averaging": (
         Rules(count_overlapped_hangs=False), "overlapped hung"),
+    "stop: each region of a driver decided on its own request as its round ended, and a stop split them": (
+        Rules(agreed_stop=False), schedules(one_driver=True)),
     "overlap: the deadline counts from an overlapped region's hand-in": (
         Rules(blocking_time_deadline=False), "overlapped skew"),
 }
