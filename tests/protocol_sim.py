@@ -13,8 +13,8 @@ With `Schedule.overlap` (outer.overlap), the workers go on training the next win
 in one, from θ_global before the round plus their drift (ray_diloco.sync.actor); a round still runs only after
 the previous one ended, and the last round and checkpointed ones block (`policy.may_overlap`).
 `RegionPlan.driver`: regions run by one driver (one Ray cluster) hand their stop request in with their Δ and
-decide on their group's gathers (`policy.stops_after_round`); the driver's resubmit is modelled per region (each
-continues from its own checkpoint, not `policy.choose_resume_steps`).
+decide on their group's gathers (`policy.stops_after_round`); the driver's resubmit is modelled per region
+(each continues from its own checkpoint, not `policy.choose_resume_steps`).
 `Schedule.checkpoint_every` (run.checkpoint_every): a crashed region resumes from its last checkpoint and trains
 the windows since then again (`Outcome.replayed`). `Schedule.nonfinite`: a region whose Δ of that window is
 NaN/inf sits the round out and re-syncs from a newer state with `policy.Resync`, or stops (`Outcome.stopped`).
@@ -30,8 +30,8 @@ abandons it the same way. A hang in the settling after the run's last round is n
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
 `policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round`,
-`overdue_in_flight` and `stops_after_round`; what it still re-implements is the loop that strings them together (the SyncActor's exchange,
-`_complete_round` and `_run_round`).
+`overdue_in_flight` and `stops_after_round`; what it still re-implements is the loop that strings them together
+(the SyncActor's exchange, `_complete_round` and `_run_round`).
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
 swap in the old rules one at a time and show that the properties in `violations` (protocol_model.py) catch each fault.
@@ -195,8 +195,8 @@ class Simulator(World):
             else:
                 self.publish(region, policy.published_group(group, consistent))
             log["after"][name] = full_key(region.outer)
-            # A round broken mid-way leaves each member its own result, without the group's gathers.
-            gathers = [{"region": m, "stop": stop} for m, stop in log["stops"].items()] if consistent else []
+            # The gathers come with the group (matchmaking): a round broken mid-way has them too.
+            gathers = [{"region": m, "stop": stop} for m, stop in log["stops"].items()]
             agreement = (log["stops"][name], gathers, log)
         else:
             agreement = None
@@ -318,6 +318,8 @@ class Simulator(World):
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
         self._consume(region, window)
         stopping = self._stop_decision(region, agreement)
+        if stopping and region.overlapped is not None:  # Rounds._stopped_in_flight: they end at their next hand-in
+            yield from self._end_window_in_flight(region)  # and checkpoint then (a crash before: no checkpoint)
         if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced):
             self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
                                       dict(region.outer.momentum_state()), region.progress)
@@ -330,8 +332,6 @@ class Simulator(World):
                 self._at(self.now + s.leave_after_finish, lambda: self._leave(name))
             return True
         if stopping:
-            if region.overlapped is not None:  # Rounds._stopped_in_flight: its workers end at their next hand-in
-                yield from self._end_window_in_flight(region)
             self._stop(region)
             return True
         return False
@@ -361,7 +361,8 @@ class Simulator(World):
 
     def _end_window_in_flight(self, region: _Region):
         """The workers handed back by an overlapped round that agreed to stop train their window to its end, then
-        stop at the agreed step without averaging it (their data position stays the round's: it is read again)."""
+        stop at the agreed step without averaging it (their data position stays the round's: it is read again).
+        A group restart meanwhile is not modelled (its first hand-in ends it the same way, later)."""
         (_, started), region.overlapped = region.overlapped, None
         jitter = region.plan.jitter
         duration = region.plan.window_seconds + (jitter[region.progress % len(jitter)] if jitter else 0.0)

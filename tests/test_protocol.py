@@ -3,8 +3,9 @@
 Hypothesis draws schedules of 2-4 regions: window times with persistent skew and spikes, mid-round failures, DHT
 outages (reads and publishes), partial and stale DHT views, worker-group restarts at any moment, departures, late
 joins, crashes that come back from the last checkpoint (run.checkpoint_every 0-3), stops (`ray job stop`) and
-resubmissions (also of two regions run by one driver, the request reaching them seconds apart), rounds with a non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths,
-hosts' clocks apart and drifting, slow or failing state downloads, rounds that hang (one, or several in a row;
+resubmissions (also of two regions of one driver, the request reaching them seconds apart), rounds with a
+non-finite Δ (one region, or all at once), SyncActors on different CPU kernel paths, hosts' clocks apart and
+drifting, slow or failing state downloads, rounds that hang (one, or several in a row;
 blocking, overlapped, or after the outer step), two groups formed for one round, blocking and overlapped rounds
 (outer.overlap).
 Over each run of today's rules:

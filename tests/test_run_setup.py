@@ -31,6 +31,7 @@ def test_a_region_that_departed_early_does_not_hold_the_others_back():
     # takes its state), not fresh — a fresh start reads its whole stream again.
     assert choose_resume_steps({"a": [1], "b": [2]}, interval=2) == {"a": 1, "b": 2}
     assert choose_resume_steps({"a": [2, 3], "b": [4]}, interval=2) == {"a": 3, "b": 4}
+    assert choose_resume_steps({"a": [1], "b": [2, 3]}, interval=2) == {"a": 1, "b": 2}  # the nearest after a's
 
 
 @settings(max_examples=300, deadline=None)
@@ -46,13 +47,18 @@ def test_resume_steps_properties(committed, interval):
     newest = {r: max(steps) for r, steps in committed.items() if steps}
     if not newest:
         return
-    target = max(s for s in plan.values() if s is not None) if any(s is not None for s in plan.values()) else None
     top = max(newest.values())
-    staying = [r for r, n in newest.items() if n >= top - interval]
-    if all(target in committed[r] for r in staying):
-        assert all(plan[r] == target for r in staying)  # the regions that went on resume together...
-        # ... from the newest step all of them hold (none re-trains windows already in θ_global)
-        assert target == max(set.intersection(*(set(committed[r]) for r in staying)))
+    staying = [r for r, n in newest.items() if n >= top - interval]  # the regions that went on
+    common = set.intersection(*(set(committed[r]) for r in staying))
+    if common:  # they resume together, from the newest step all of them hold (none re-trains windows in θ_global)
+        assert all(plan[r] == max(common) for r in staying)
+    # Else from the oldest newest step among them: where a region holds no step at or before it, from its oldest
+    # (the nearest after it); every other region from its newest at or before it.
+    target = max(common) if common else min(newest[r] for r in staying)
+    for region, steps in committed.items():
+        before = [step for step in steps if step <= target]
+        if steps:
+            assert plan[region] == (max(before) if before else min(steps)), (region, target)
     assert all(plan[r] is None or plan[r] <= top for r in plan)  # never past what was committed
 
 

@@ -459,7 +459,8 @@ def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> d
     not in that step (it left early) resumes from its own newest checkpoint before it and catches up from its
     peers' state, as a joining region does (`startup_records`, `join_target`). A region that holds only steps
     after it (stopped apart with `checkpoint_every` > 1: {a: [1], b: [2]}) resumes from its oldest: the others
-    then take its state, where a fresh start would have read its whole stream again."""
+    then take its state, and re-train the windows between their step and its, if they took part in those rounds
+    (a fresh start would have read its whole stream again)."""
     newest = {region: max(steps) for region, steps in committed.items() if steps}
     if not newest:
         return {region: None for region in committed}
