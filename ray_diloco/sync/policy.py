@@ -457,10 +457,11 @@ def choose_resume_steps(committed: dict[str, list[int]], interval: int = 1) -> d
     commits at most that far apart; a region that left early holds only old steps). They resume together from
     the newest step all of them hold, so none re-trains windows already averaged into θ_global; a region
     not in that step (it left early) resumes from its own newest checkpoint before it and catches up from its
-    peers' state, as a joining region does (`startup_records`, `join_target`). A region that holds only steps
-    after it (stopped apart with `checkpoint_every` > 1: {a: [1], b: [2]}) resumes from its oldest: the others
-    then take its state, and re-train the windows between their step and its, if they took part in those rounds
-    (a fresh start would have read its whole stream again)."""
+    peers' state, as a joining region does (`startup_records`, `join_target`). Where they hold no step in
+    common, the step is the oldest of their newest ones. A region that holds only steps after it (stopped
+    apart with `checkpoint_every` > 1: {a: [1], b: [2]}) resumes from its oldest: the others then take its
+    state, and re-train the windows between their step and its, if they took part in those rounds (a fresh
+    start would have read its whole stream again)."""
     newest = {region: max(steps) for region, steps in committed.items() if steps}
     if not newest:
         return {region: None for region in committed}
