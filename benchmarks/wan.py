@@ -71,7 +71,7 @@ def region_config(args: argparse.Namespace, cell: str, region: str, overlap: boo
     cfg["inner"]["warmup_steps"] = 10
     cfg["outer"].update(inner_steps=args.inner_steps, overlap=overlap, port=PORTS[region], matchmaking_seconds=5,
                         max_wait_seconds=300, averaging_timeout=600)
-    # A stop must be able to wait out two rounds of these bounds (ExperimentConfig._check_stop_timeout).
+    # A stop must be able to wait out two rounds of these bounds (stopping.check_stop_timeout).
     cfg["run"].update(name=cell, outer_steps=args.outer_steps, checkpoint_every=0, eval_every=0,
                       output_dir=str(work / "out"), checkpoint_path=str(work / "bucket"), stop_timeout_seconds=1800)
     path = work / f"{region}.yaml"

@@ -105,8 +105,7 @@ class Simulator(World):
             region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
         region.stale_base = None
         window = region.progress
-        jitter = region.plan.jitter
-        duration = region.plan.window_seconds + (jitter[window % len(jitter)] if jitter else 0.0)
+        duration = self._window_seconds(region.plan, window)
         started = self.now
         if region.overlapped is not None:  # trained since the hand-in, while the round ran
             base_theta, started = region.overlapped
@@ -342,14 +341,14 @@ class Simulator(World):
         as it ends. The workers of an overlapped round were handed back before it ended: a region alone in its
         driver stops with its next round (which then blocks); one of several ends them at the agreed step."""
         asked, own = self._stopping(region.plan), self._driver_regions(region.plan)
+        on_request = asked and region.overlapped is None  # also the old rule, for a round that averaged
         if agreement is None:
-            return asked and region.overlapped is None
+            return on_request
         handed_in, gathers, log = agreement
+        stopping = on_request
         if self.rules.agreed_stop:
             stopping = (policy.stops_after_round(handed_in, gathers, own, asked_since=asked)
                         and (region.overlapped is None or len(own) > 1))
-        else:
-            stopping = asked and region.overlapped is None
         log["decided"][region.plan.name] = stopping  # what `violations` compares within a driver
         return stopping
 
@@ -364,9 +363,12 @@ class Simulator(World):
         stop at the agreed step without averaging it (their data position stays the round's: it is read again).
         A group restart meanwhile is not modelled (its first hand-in ends it the same way, later)."""
         (_, started), region.overlapped = region.overlapped, None
-        jitter = region.plan.jitter
-        duration = region.plan.window_seconds + (jitter[region.progress % len(jitter)] if jitter else 0.0)
-        yield max(0.0, started + duration - self.now)
+        yield max(0.0, started + self._window_seconds(region.plan, region.progress) - self.now)
+
+    @staticmethod
+    def _window_seconds(plan: RegionPlan, window: int) -> float:
+        """How long the region's workers take for data window `window` (H inner steps, with its jitter)."""
+        return plan.window_seconds + (plan.jitter[window % len(plan.jitter)] if plan.jitter else 0.0)
 
     def _stopping(self, plan: RegionPlan) -> bool:
         return plan.stop_at is not None and plan.stop_at <= self.now and plan.name not in self.stops_served
