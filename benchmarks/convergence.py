@@ -9,6 +9,8 @@ the same data, seed and inner AdamW, and the same number of inner steps (so the 
 
 * `ddp` (`--workers` workers, a gradient all-reduce every step) and `single` (one worker);
 * `diloco-m{1,2,4}-{fp32,sfp16}-h{H}`: M regions of one worker, dense DiLoCo, fp32 or scaled-fp16 on the wire;
+* `diloco-m1-w{W}-sfp16-h{H}`: one region of `--workers` workers (FSDP2), an outer step every H: DDP's tokens and
+  global batch, the comparison of the DiLoCo scaling-law paper's M = 1 (the arms above train one worker per region);
 * `sparseloco-{1,3}pct-h{H}`: SparseLoCo, top 41 or 128 of every 4096 values at 2 bits, M = `--workers`;
 * `dct-k{2,4}-h{H}`: the decoupled-momentum DCT method, top 2 or 4 of every 64 coefficients, M = `--workers`;
 * `*-s{seed}`: the headline arms again with the next seed.
@@ -54,6 +56,7 @@ class Arm:
     method: str = "diloco"
     compression: str = "none"
     inner_steps: int = 50  # H (ddp and single: how often they are evaluated)
+    workers_per_region: int = 1  # diloco: each region's FSDP2 group
     topk: int = 0
     seed: int = 0
 
@@ -72,6 +75,9 @@ def grid(workers: int, hs: list[int], seeds: list[int]) -> list[Arm]:
         dense = [Arm(f"diloco-m{m}-{tag}-h{h}", "diloco", m, compression=codec, inner_steps=h)
                  for m in sorted({1, 2, workers}) for tag, codec in (("fp32", "none"), ("sfp16", "scaled-fp16"))
                  if (m, tag) != (workers, "sfp16")]
+        if workers > 1:  # M = 1 at DDP's global batch
+            dense.append(Arm(f"diloco-m1-w{workers}-sfp16-h{h}", "diloco", 1, compression="scaled-fp16",
+                             inner_steps=h, workers_per_region=workers))
         return dense + [Arm(f"sparseloco-3pct-h{h}", "diloco", workers, "sparseloco", inner_steps=h, topk=128),
                         Arm(f"dct-k4-h{h}", "diloco", workers, "dct", inner_steps=h, topk=4)]
 
@@ -129,7 +135,7 @@ def arm_config(arm: Arm, args: argparse.Namespace) -> dict:
 def command(arm: Arm, args: argparse.Namespace, arms_dir: Path, resume: bool) -> list[str]:
     flags = ["--config", str(arms_dir / f"{arm.label}.yaml"), "--run-name", arm.label, "--output-dir",
              str(arms_dir), "--mode", arm.mode, "--regions", str(arm.regions if arm.mode != "single" else 1),
-             "--workers-per-region", "1", "--inner-steps", str(arm.inner_steps),
+             "--workers-per-region", str(arm.workers_per_region), "--inner-steps", str(arm.inner_steps),
              "--outer-steps", str(args.steps // arm.inner_steps), "--seed", str(arm.seed),
              "--compression", arm.compression]
     if arm.mode == "ddp":  # one group of `regions` workers

@@ -102,11 +102,12 @@ def sync_status(region: str, reached: int, outer_steps: int, seconds: float, las
 
 
 def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, world_size: int,
-                         inner_steps: int) -> tuple[int, dict | None]:
+                         inner_steps: int) -> dict:
     """A (re)starting worker continues from its region's state: θ_global and the outer step from the
     SyncActor (not the init: a restarted, resumed or joining region starts from the run's current state), the
     inner AdamW state and schedule position from the worker checkpoint of that same outer step when one is
-    committed, and the region's data position after that outer step. Returns (outer step, data position)."""
+    committed, and the region's data position after that outer step. Returns the SyncActor's answer
+    (`resume_state`: outer_step, progress, worker_checkpoint, stop)."""
     point = ray.get(sync_actor.resume_state.remote(rank, world_size))  # one call: one consistent state
     rows = from_wire(point["rows"])
     inner_position = point["outer_step"] * inner_steps
@@ -125,7 +126,7 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
         sync_actor.record_event.remote("inner_state_restored" if restored else "inner_state_reset",
                                        checkpoint=point["worker_checkpoint"])
     inner_step.align(inner_position)
-    return point["outer_step"], point["progress"]
+    return point
 
 
 def _equals_rows(shard: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -175,12 +176,12 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     shard_model(model.to(device), device, world_size, cfg.inner.precision)
     H = cfg.outer.inner_steps
     inner_step = InnerStep(model, cfg, device, 0)
-    start_outer, progress = 0, None
+    start = {"outer_step": 0, "progress": None, "worker_checkpoint": None, "stop": False}
     if sync_actor is not None:
         ray.get(sync_actor.register_worker.remote(rank, world_size, os.getpid(), socket.gethostname(),
                                                   ray.get_runtime_context().get_node_id()))
-        start_outer, progress = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
-    batches = WorkerBatches(stream, device, rank, world_size, progress)
+        start = restore_region_state(sync_actor, model, inner_step, rank, world_size, H)
+    batches = WorkerBatches(stream, device, rank, world_size, start["progress"])
 
     tokens_total, last_sync_seconds, sync_seconds_total, checkpoint_seconds = 0, 0.0, 0.0, 0.0
     step_rates: list[float] = []  # tokens/s of each inner step: the steady state, without start-up waits
@@ -208,8 +209,11 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                        f" | lr {record.lr:.2e} | {record.tokens / record.seconds:,.0f} tok/s/worker"
                        f" | last sync {last_sync_seconds:.2f}s | peers {peers}")
 
-    outer_step, stopped = start_outer, False
-    while outer_step < cfg.run.outer_steps:
+    outer_step, stopped = start["outer_step"], start["stop"]
+    if stopped and start["worker_checkpoint"] is None:  # restarted after the stop's round, before its commit
+        checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step, rank,
+                          world_size)
+    while outer_step < cfg.run.outer_steps and not stopped:
         tokens_this_round = 0
         step_log.restart_clock()
         for inner in range(H):

@@ -53,11 +53,12 @@ def test_every_arm_of_the_default_grid_is_a_configuration_the_cli_takes(tmp_path
     args = parser.parse_args([])
     hs, seeds = convergence.check(args, parser)
     arms = convergence.grid(args.workers, hs, seeds)
-    assert len({a.label for a in arms}) == len(arms) == 27
+    assert len({a.label for a in arms}) == len(arms) == 29
     for arm in arms:
         (tmp_path / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
         argv = convergence.command(arm, args, tmp_path, resume=False)[3:]  # after "python -m ray_diloco.cli"
         cfg = resolve_config(build_parser().parse_args(argv))
         workers = sum(r.workers for r in cfg.regions)
         assert (cfg.run.mode, cfg.outer.method, cfg.total_inner_steps) == (arm.mode, arm.method, args.steps)
-        assert workers == (1 if arm.mode == "single" else arm.regions), arm.label
+        assert workers == (1 if arm.mode == "single" else arm.regions * arm.workers_per_region), arm.label
+        assert len(cfg.regions) == (1 if arm.mode != "diloco" else arm.regions), arm.label

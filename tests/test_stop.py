@@ -194,17 +194,41 @@ def test_a_stop_that_reached_one_region_of_a_driver_before_the_round_ends_both_a
             first = await asyncio.gather(r0.exchange(0, 0, 1, trained(r0, 1), tokens=1000),
                                          r1.exchange(0, 0, 1, trained(r1, 2), tokens=1000))
             r1.request_stop()  # its delivery, after the round
-            if not overlap:
-                return first
-            # r0 blocked on the round (it was stopping); r1's ran in the background while its workers trained on:
-            # they hand in the next window, and end at the step the round agreed on.
-            return [first[0], await r1.exchange(1, 0, 1, trained(r1, 3), tokens=1000)]
+            if overlap:
+                # r0 blocked on the round (it was stopping); r1's ran in the background while its workers trained
+                # on: they hand in the next window, and end at the step the round agreed on.
+                first = [first[0], await r1.exchange(1, 0, 1, trained(r1, 3), tokens=1000)]
+            # A group restarted now (a worker died as they checkpointed) ends at that step too, without training.
+            return first, [await actor.resume_state(0, 1) for actor in (r0, r1)]
 
-        (step0, rows0, stop0), (step1, rows1, stop1) = asyncio.run(stop_reaching_r0_first())
+        ((step0, rows0, stop0), (step1, rows1, stop1)), restarted = asyncio.run(stop_reaching_r0_first())
     finally:
         for actor in (r1, r0):
             actor.shutdown()
     assert stop0 and stop1, (stop0, stop1)
+    assert [(point["outer_step"], point["stop"]) for point in restarted] == [(1, True), (1, True)]
     assert step0 == step1 == 1 == r0.outer_step() == r1.outer_step()
     assert r0.last_round()["group_size"] == r1.last_round()["group_size"] == 2
     assert state_digest(from_wire(rows0)) == state_digest(from_wire(rows1)) == r0.digest() == r1.digest()
+
+
+def test_a_group_restarted_after_the_round_that_stopped_its_region_ends_at_that_step(tmp_path):
+    """A worker that dies after the round that told its region to stop (while the workers checkpoint, or end)
+    restarts the region's group. The new group used to train a window: a region alone in its driver then ran one
+    more round and stopped a step later than asked (in a multi-region driver, `Rounds._stopped_in_flight` ended
+    that window unaveraged). `resume_state` says where the region stopped; a restart before the stop did not."""
+    actor = SyncActorImpl(config(tmp_path, "restart-after-stop", [1], outer_steps=4), "r0")
+    try:
+        async def stop_then_restart():
+            first = await actor.exchange(0, 0, 1, trained(actor, 1), tokens=1000)
+            before_stop = await actor.resume_state(0, 1)  # a restart with no stop asked: the group trains on
+            actor.request_stop()
+            stopping = await actor.exchange(1, 0, 1, trained(actor, 2), tokens=1000)
+            return first, before_stop, stopping, await actor.resume_state(0, 1)
+
+        first, before_stop, stopping, restarted = asyncio.run(stop_then_restart())
+    finally:
+        actor.shutdown()
+    assert (first[0], first[2]) == (1, False) and (before_stop["outer_step"], before_stop["stop"]) == (1, False)
+    assert (stopping[0], stopping[2]) == (2, True)
+    assert (restarted["outer_step"], restarted["stop"]) == (2, True) and actor.outer_step() == 2

@@ -154,6 +154,7 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
         self._rounds: dict[int, PendingRound] = {}
         self.stop_requested = False
         self._stop_at: int | None = None  # the step a round agreed to stop at (Rounds._stopped_in_flight)
+        self._stopped_at: int | None = None  # the outer step whose round told the workers to stop (resume_state)
         self._state_lock = threading.Lock()  # _set_state (executor threads) against resume_state's reads
         self._running_round: asyncio.Event | None = None  # done-event of the round being applied now
         # Overlap: where the region's workers train from now (None: θ_global itself), the step they were told,
@@ -250,7 +251,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
     async def resume_state(self, rank: int, world_size: int) -> dict:
         """Where a (re)starting worker of this region continues, all from one state: the outer step, this
         rank's rows of θ_global, the region's data position, and the worker checkpoint (inner AdamW state) of that
-        outer step when one is committed. A round being applied finishes first, so a worker never takes θ_N
+        outer step when one is committed, and whether the region stopped there (a stop request's round). A round
+        being applied finishes first, so a worker never takes θ_N
         while the actor moves to θ_{N+1} (its next Δ would be computed against the wrong base)."""
         running = self._running_round
         if running is not None:  # the round in flight ends first, then this one: each within the bound
@@ -269,8 +271,11 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
             step = self.outer.step_count
             rows = to_wire(rows_for_rank(self.outer.global_state(), world_size, rank))
         worker_checkpoint = self.committed[1] if self.committed and self.committed[0] == step else None
+        # A group restarted after its round told the workers to stop (a worker died while they checkpointed or
+        # ended) ends there too: training a window would run one more round (a region alone in its driver)
+        # or end at the same step a window later, its inner steps lost.
         return {"outer_step": step, "rows": rows, "progress": self.progress,
-                "worker_checkpoint": worker_checkpoint}
+                "worker_checkpoint": worker_checkpoint, "stop": self._stopped_at == step}
 
     def _await_bound(self) -> float:
         """How long a round may take before it is given up (`policy.round_bound`). A blocking round is abandoned
@@ -332,6 +337,8 @@ class SyncActorImpl(Membership, Rounds, CompressedRounds, Checkpoints):
                 pending.new_global, pending.reached = await self._complete_round(outer_step, pending)
                 # As the round agreed; a round that did not end (abandoned) or runs on (overlapped): the request.
                 pending.stop = self.stop_requested if pending.stop_agreed is None else pending.stop_agreed
+                if pending.stop:
+                    self._stopped_at = pending.reached
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
             finally:
