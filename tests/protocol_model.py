@@ -130,6 +130,8 @@ class Outcome:
     sat_out: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each non-finite round
     replayed: dict[str, int] = field(default_factory=dict)  # region -> windows trained again after a crash
     stops: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it stopped at, checkpointed)
+    # (region, the step its driver resumed it from, its newest checkpoint's step) at each resubmit
+    resubmits: list[tuple[str, int | None, int | None]] = field(default_factory=list)
     abandoned: list[tuple[str, int]] = field(default_factory=list)  # (region, its step) of each abandoned round
     abandoned_in_flight: list[tuple[str, int]] = field(default_factory=list)  # ... of those, abandoned in flight
     finished_in_background: list[tuple[str, int]] = field(default_factory=list)  # (region, the step it applied)

@@ -13,8 +13,8 @@ With `Schedule.overlap` (outer.overlap), the workers go on training the next win
 in one, from θ_global before the round plus their drift (ray_diloco.sync.actor); a round still runs only after
 the previous one ended, and the last round and checkpointed ones block (`policy.may_overlap`).
 `RegionPlan.driver`: regions run by one driver (one Ray cluster) hand their stop request in with their Δ and
-decide on their group's gathers (`policy.stops_after_round`); the driver's resubmit is modelled per region
-(each continues from its own checkpoint, not `policy.choose_resume_steps`).
+decide on their group's gathers (`policy.stops_after_round`); the driver, submitted again, resumes them from the
+checkpoints `policy.choose_resume_steps` picks (protocol_driver.py).
 `Schedule.checkpoint_every` (run.checkpoint_every): a crashed region resumes from its last checkpoint and trains
 the windows since then again (`Outcome.replayed`). `Schedule.nonfinite`: a region whose Δ of that window is
 NaN/inf sits the round out and re-syncs from a newer state with `policy.Resync`, or stops (`Outcome.stopped`).
@@ -30,8 +30,9 @@ abandons it the same way. A hang in the settling after the run's last round is n
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
 `policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round`,
-`overdue_in_flight` and `stops_after_round`; what it still re-implements is the loop that strings them together
-(the SyncActor's exchange, `_complete_round` and `_run_round`).
+`overdue_in_flight` and `stops_after_round`, and its driver the driver's `choose_resume_steps`; what it still
+re-implements is the loop that strings them together (the SyncActor's exchange, `_complete_round` and
+`_run_round`).
 
 `Rules` is what the simulated SyncActor does; its defaults are today's code (`ray_diloco.sync.actor`). The tests
 swap in the old rules one at a time and show that the properties in `violations` (protocol_model.py) catch each fault.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 from protocol_model import (POLL, REPUBLISH, TRANSFER, Outcome, RegionPlan, Rules, Schedule, _Region, _Request,
                             full_key, initial_theta, violations, window_update)
+from protocol_driver import DriverStops
 from protocol_world import World
 
 from ray_diloco.sync import policy
@@ -49,15 +51,17 @@ from ray_diloco.sync.outer import OuterOptimizer, state_digest
 from ray_diloco.sync.policy import FINISHED, OUT, READY, UNSETTLED, StateRecord
 
 
-class Simulator(World):
+class Simulator(DriverStops, World):
     """The regions: each one's SyncActor and workers, as a process in the world's simulated time."""
 
     # -- one region: its SyncActor and its workers -------------------------------------------------------
-    def _new_region(self, plan: RegionPlan, incarnation: int, resume: bool) -> _Region:
-        """A region's SyncActor starting: from its last checkpoint (resume) or from the initial state."""
-        theta = initial_theta()
-        if resume and plan.name in self.checkpoints:
-            step, theta, momentum, progress = self.checkpoints[plan.name]
+    def _new_region(self, plan: RegionPlan, incarnation: int, resume: bool, step: int | None) -> _Region:
+        """A region's SyncActor starting: from its checkpoint of `step` or its newest (resume), or from the
+        initial state."""
+        theta, saved = initial_theta(), self.checkpoints.get(plan.name, {}) if resume else {}
+        step = max(saved) if step is None and saved else step
+        if step is not None:
+            theta, momentum, progress = saved[step]
         else:
             step, momentum, progress = 0, {}, 0
         outer = OuterOptimizer(theta, lr=0.7, momentum=0.9, nesterov=True)
@@ -85,8 +89,8 @@ class Simulator(World):
         self.publish(region, 0)
         return True
 
-    def _region(self, plan: RegionPlan, incarnation: int, resume: bool):
-        region = self._new_region(plan, incarnation, resume)
+    def _region(self, plan: RegionPlan, incarnation: int, resume: bool, step: int | None):
+        region = self._new_region(plan, incarnation, resume, step)
         yield 0.0
         if not (yield from self._join(region)):
             return
@@ -320,8 +324,7 @@ class Simulator(World):
         if stopping and region.overlapped is not None:  # Rounds._stopped_in_flight: they end at their next hand-in
             yield from self._end_window_in_flight(region)  # and checkpoint then (a crash before: no checkpoint)
         if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced):
-            self.checkpoints[name] = (region.outer.step_count, dict(region.outer.global_state()),
-                                      dict(region.outer.momentum_state()), region.progress)
+            self._commit(region)
         if not self.rules.atomic_handshake and any(arrived < t <= self.now for t in region.plan.restarts):
             region.stale_base = before_round  # the old handshake: a group restarted during the round took this
         if region.outer.step_count >= s.target:
@@ -335,61 +338,10 @@ class Simulator(World):
             return True
         return False
 
-    def _stop_decision(self, region: _Region, agreement: tuple | None) -> bool:
-        """As Rounds._run_round and SyncActorImpl.exchange: `policy.stops_after_round` on what the members handed
-        in with their Δ (the round's gather); a round that did not average (abandoned, sat out) ends on the request
-        as it ends. The workers of an overlapped round were handed back before it ended: a region alone in its
-        driver stops with its next round (which then blocks); one of several ends them at the agreed step."""
-        asked, own = self._stopping(region.plan), self._driver_regions(region.plan)
-        on_request = asked and region.overlapped is None  # also the old rule, for a round that averaged
-        if agreement is None:
-            return on_request
-        handed_in, gathers, log = agreement
-        stopping = on_request
-        if self.rules.agreed_stop:
-            stopping = (policy.stops_after_round(handed_in, gathers, own, asked_since=asked)
-                        and (region.overlapped is None or len(own) > 1))
-        log["decided"][region.plan.name] = stopping  # what `violations` compares within a driver
-        return stopping
-
-    def _driver_regions(self, plan: RegionPlan) -> frozenset[str]:
-        """The regions of the driver that runs `plan`'s region (itself alone unless the schedule says otherwise)."""
-        if plan.driver is None:
-            return frozenset({plan.name})
-        return frozenset(p.name for p in self.s.regions if p.driver == plan.driver)
-
-    def _end_window_in_flight(self, region: _Region):
-        """The workers handed back by an overlapped round that agreed to stop train their window to its end, then
-        stop at the agreed step without averaging it (their data position stays the round's: it is read again).
-        A group restart meanwhile is not modelled (its first hand-in ends it the same way, later)."""
-        (_, started), region.overlapped = region.overlapped, None
-        yield max(0.0, started + self._window_seconds(region.plan, region.progress) - self.now)
-
     @staticmethod
     def _window_seconds(plan: RegionPlan, window: int) -> float:
         """How long the region's workers take for data window `window` (H inner steps, with its jitter)."""
         return plan.window_seconds + (plan.jitter[window % len(plan.jitter)] if plan.jitter else 0.0)
-
-    def _stopping(self, plan: RegionPlan) -> bool:
-        return plan.stop_at is not None and plan.stop_at <= self.now and plan.name not in self.stops_served
-
-    def _stop(self, region: _Region) -> None:
-        """Its driver ends after the checkpoint (the worker's `checkpoints_at(..., stopping=True)`), withdrawing its
-        record (a clean shutdown); submitted again `resubmit_after` later, it continues from that checkpoint."""
-        plan, name = region.plan, region.plan.name
-        if self.checkpoints.get(name, (None,))[0] != region.outer.step_count:
-            self.out.violations.append(f"stop: {name} stopped at step {region.outer.step_count} without a checkpoint "
-                                       "of it (resubmitted, it would train windows again)")
-        self.stops_served.add(name)
-        self.out.stops.append((name, region.outer.step_count))
-        self.alive[name] = 0
-        self._leave(name)
-        for requests in self.pending.values():
-            requests[:] = [r for r in requests if r.region != name]
-        if plan.resubmit_after is None:
-            self.out.gone.add(name)
-        else:
-            self._at(self.now + plan.resubmit_after, lambda: self._start(plan, resume=True))
 
     def _rendezvous(self, region: _Region, arrived: float, delta: dict):
         """As Membership._rendezvous: the same machine, on this region's own clock. Returns the averager's result,

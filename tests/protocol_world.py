@@ -37,7 +37,8 @@ class World:
         self.dht: dict[str, list] = {}  # region -> [record, expires_at]
         self.previous: dict[str, StateRecord] = {}  # region -> the record its newest one replaced (stale views)
         self.served: dict[str, tuple] = {}  # region -> (step, digest, θ, momentum) as last published
-        self.checkpoints: dict[str, tuple] = {}  # region -> (step, θ, momentum, progress)
+        self.checkpoints: dict[str, dict[int, tuple]] = {}  # region -> {step: (θ, momentum, progress)}, the newest
+        self.resubmitting: set[str] = set()  # drivers that stopped and will be submitted again (protocol_driver.py)
         self.stored: dict[str, tuple] = {}  # region -> (final record, θ, momentum): the run's storage
         self.pending: dict[int, list[_Request]] = {}
         self.failing = set(schedule.failing_steps)
@@ -87,13 +88,15 @@ class World:
         else:
             self._at(self.now + max(float(command), 1e-6), lambda: self._resume(gen, name, incarnation))
 
-    def _start(self, plan: RegionPlan, resume: bool) -> None:
+    def _start(self, plan: RegionPlan, resume: bool, step: int | None = None) -> None:
+        """The region's SyncActor and workers start: fresh, or resumed from its checkpoint of `step` (None: its
+        newest)."""
         if plan.name in self.out.gone or (resume and plan.depart_at is not None and plan.depart_at <= self.now):
             return
         self._incarnations += 1  # unique: a dead incarnation's pending wake-ups must never match a new one
         incarnation = self._incarnations
         self.alive[plan.name] = incarnation
-        gen = self._region(plan, incarnation, resume)
+        gen = self._region(plan, incarnation, resume, step)
         self._resume(gen, plan.name, incarnation)
 
     def _end(self, name: str, kind: str) -> None:
