@@ -95,9 +95,12 @@ class InnerStep:
         return loss_sum, tokens
 
     def align(self, step: int) -> None:
-        """Move the learning-rate schedule to inner step `step` of the run (resume, join, re-sync)."""
-        while self.scheduler.last_epoch < step:
-            self.scheduler.step()
+        """Put the learning-rate schedule at inner step `step` of the run: forward on a resume, join or re-sync;
+        back where the workers' last window was dropped (an abandoned round, a stop that ended overlapped workers a
+        window ahead), so the schedule follows the outer steps and a checkpoint's position is outer step × H.
+        LambdaLR's rate depends on the step alone."""
+        self.scheduler.last_epoch = step - 1
+        self.scheduler.step()
 
     @property
     def lr(self) -> float:

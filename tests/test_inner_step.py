@@ -120,3 +120,22 @@ def test_compiled_layers_train_as_the_eager_ones_and_keep_their_parameter_names(
         assert compiled.dtypes_in_forward == (torch.float32, torch.float32)
         assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
         assert compiled.names == eager.names and not any("_orig_mod" in name for name in compiled.names)
+
+
+def test_align_puts_the_schedule_back_where_the_workers_window_was_dropped():
+    """An abandoned round, or a stop that ends overlapped workers a window ahead, drops the window whose steps their
+    schedule already took. `align` only moved it forward: it stayed a window ahead of the outer step, and the
+    stop's checkpoint kept that position for the resubmit."""
+    cfg = tiny_cpu()
+
+    def at(step: int) -> InnerStep:
+        return InnerStep(torch.nn.Linear(2, 2), cfg, torch.device("cpu"), step)
+
+    ahead = at(0)
+    for _ in range(12):  # the steps of windows trained
+        ahead.scheduler.step()
+    assert at(8).lr != ahead.lr
+    ahead.align(8)
+    assert ahead.scheduler.last_epoch == 8 and ahead.lr == at(8).lr
+    ahead.align(10)
+    assert ahead.scheduler.last_epoch == 10 and ahead.lr == at(10).lr
