@@ -20,7 +20,7 @@ an arm with a summary.json is done and read back; an arm that was interrupted co
 (`--resume`); only `--arms` (glob patterns) are run. After every arm it rewrites `convergence.json`,
 `convergence.md` (held-out loss, bytes sent per round, bits per parameter per round, × DDP bytes, wall time) and
 two plots: held-out loss against tokens per worker, and final loss against bytes sent (the Pareto picture).
-Tuning (outer lr, H, warm-up) is not done here: it must use a validation split, never the held-out set.
+Tuning is not done here: `tune.py` tunes the outer lr on a validation split, never on the held-out set.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Arm:
     compression: str = "none"
     inner_steps: int = 50  # H (ddp and single: how often they are evaluated)
     workers_per_region: int = 1  # diloco: each region's FSDP2 group
+    flags: tuple[str, ...] = ()  # more CLI flags (tune.py: the outer lr, the validation split)
     topk: int = 0
     seed: int = 0
 
@@ -142,7 +143,7 @@ def command(arm: Arm, args: argparse.Namespace, arms_dir: Path, resume: bool) ->
         flags[flags.index("--regions") + 1], flags[flags.index("--workers-per-region") + 1] = "1", str(arm.regions)
     if arm.method != "diloco":
         flags += ["--outer-method", arm.method, "--topk", str(arm.topk)]
-    return [sys.executable, "-m", "ray_diloco.cli", "train", *flags] + (["--resume"] if resume else [])
+    return [sys.executable, "-m", "ray_diloco.cli", "train", *flags, *arm.flags] + (["--resume"] if resume else [])
 
 
 def committed_checkpoints(root: Path, label: str) -> bool:

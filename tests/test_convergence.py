@@ -62,3 +62,28 @@ def test_every_arm_of_the_default_grid_is_a_configuration_the_cli_takes(tmp_path
         assert (cfg.run.mode, cfg.outer.method, cfg.total_inner_steps) == (arm.mode, arm.method, args.steps)
         assert workers == (1 if arm.mode == "single" else arm.regions * arm.workers_per_region), arm.label
         assert len(cfg.regions) == (1 if arm.mode != "diloco" else arm.regions), arm.label
+
+
+def test_the_tuning_runs_train_on_the_split_and_are_evaluated_on_its_validation_shard(tmp_path):
+    """benchmarks/tune.py: every run is the grid's arm of its method with its outer lr, trained on shards 0-6 of
+    the bundled sample and evaluated on shard 7, never on the held-out file the grid reports."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import convergence
+        import tune
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from ray_diloco.data.files import embedded_eval_path, list_data_files
+
+    parser = tune.build_parser()
+    args = parser.parse_args(["--methods", "diloco,dct", "--outer-lrs", "0.5,1.0"])
+    arms = tune.arms(*tune.check(args, parser), args)
+    assert [(a.method, a.flags[1]) for a in arms] == [("diloco", "0.5"), ("diloco", "1.0"), ("dct", "0.5"),
+                                                       ("dct", "1.0")]
+    for arm in arms:
+        (tmp_path / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
+        cfg = resolve_config(build_parser().parse_args(convergence.command(arm, args, tmp_path, resume=False)[3:]))
+        assert cfg.outer.lr == float(arm.flags[1]) and cfg.outer.method == arm.method
+        training, validation = set(list_data_files(cfg.data.path)), set(list_data_files(cfg.data.eval_path))
+        assert len(training) == 7 and len(validation) == 1 and not training & validation
+        assert embedded_eval_path() not in training | validation

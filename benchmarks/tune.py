@@ -1,0 +1,122 @@
+"""The outer learning rate of each outer method, tuned on a validation split, never on the held-out set.
+
+    python benchmarks/tune.py                                  # diloco and sparseloco, 3 outer lrs each
+    python benchmarks/tune.py --methods diloco --outer-lrs 0.5,0.7,1.0 --steps 600
+
+Each run is an arm of `convergence.py` (the CLI, as a user runs it; resumable the same way) with two changes: it
+trains on the bundled C4 sample's training shards 0-6 only (`--data`) and is evaluated on shard 7 (`--eval-data`),
+the validation split. Its documents are in no tuning run's training data, and they are not the held-out shard that
+`convergence.py` reports (the bundled validation file), so the grid's held-out numbers stay untouched by the choice.
+Writes `tune.json` and `tune.md`: the validation loss per method and outer lr, the lowest of each method marked.
+Shorter than the grid (`--steps`, default 600): a short-horizon choice, which the table says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # convergence.py, beside this file
+from convergence import Arm, grid, run_arm  # noqa: E402
+
+from ray_diloco.cli import OneLineErrors  # noqa: E402
+
+SHARDS = 8  # the bundled sample: c4-train.0000K-of-00008.json.gz, K = 0..7
+METHODS = {"diloco": "diloco-m{w}-sfp16-h{h}", "sparseloco": "sparseloco-1pct-h{h}", "dct": "dct-k2-h{h}"}
+
+
+def split_paths() -> tuple[str, str]:
+    """(the training glob: shards 0..6, the validation shard: 7) of the bundled C4 sample."""
+    from ray_diloco.data.files import embedded_train_dir
+
+    root = Path(embedded_train_dir())
+    return (str(root / f"c4-train.0000[0-{SHARDS - 2}]-of-0000{SHARDS}.json.gz"),
+            str(root / f"c4-train.0000{SHARDS - 1}-of-0000{SHARDS}.json.gz"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrors(prog="tune.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="diloco,sparseloco", help=f"of {', '.join(METHODS)} (default "
+                        "diloco,sparseloco)")
+    parser.add_argument("--outer-lrs", default="0.5,0.7,1.0", help="outer learning rates (default 0.5,0.7,1.0)")
+    parser.add_argument("--steps", type=int, default=600, help="inner steps per worker of every run (default 600)")
+    parser.add_argument("--h", type=int, default=50, help="H (default 50)")
+    parser.add_argument("--workers", type=int, default=2, help="regions of one worker (default 2)")
+    parser.add_argument("--batch-size", type=int, default=3, help="windows per step per worker (default 3)")
+    parser.add_argument("--evals", type=int, default=4, help="validation evaluations per run (default 4)")
+    parser.add_argument("--output-dir", default="runs/tune")
+    return parser
+
+
+def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[float]]:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or any(m not in METHODS for m in methods):
+        parser.error(f"--methods: {args.methods!r}: choose from {', '.join(METHODS)}")
+    try:
+        lrs = [float(v) for v in args.outer_lrs.split(",")]
+    except ValueError:
+        parser.error(f"--outer-lrs takes comma-separated numbers, got {args.outer_lrs!r}")
+    if not lrs or any(not (math.isfinite(lr) and lr > 0) for lr in lrs):
+        parser.error(f"--outer-lrs: each must be > 0, got {args.outer_lrs!r}")
+    if args.h < 1 or args.steps % args.h:
+        parser.error(f"--h {args.h} must divide --steps {args.steps}")
+    bad = [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals")
+           if getattr(args, name) < 1]
+    if bad:
+        parser.error("; ".join(bad))
+    return methods, lrs
+
+
+def arms(methods: list[str], lrs: list[float], args: argparse.Namespace) -> list[Arm]:
+    """The grid's arm of each method, once per outer lr, on the split."""
+    train, validation = split_paths()
+    by_label = {a.label: a for a in grid(args.workers, [args.h], [0])}
+    return [dataclasses.replace(by_label[METHODS[m].format(w=args.workers, h=args.h)],
+                                label=f"{METHODS[m].format(w=args.workers, h=args.h)}-lr{lr:g}".replace(".", "p"),
+                                flags=("--outer-lr", str(lr), "--data", train, "--eval-data", validation))
+            for m in methods for lr in lrs]
+
+
+def table(results: list[dict], args: argparse.Namespace) -> str:
+    best = {}
+    for r in results:
+        if math.isfinite(r["validation_loss"]) and r["validation_loss"] < best.get(r["method"], (math.inf,))[0]:
+            best[r["method"]] = (r["validation_loss"], r["arm"])
+    lines = ["| method | outer lr | validation loss | wall s |", "|---|---|---|---|"]
+    for r in results:
+        mark = " (lowest)" if best.get(r["method"], (None, None))[1] == r["arm"] else ""
+        lines.append(f"| {r['method']} | {r['outer_lr']:g} | {r['validation_loss']:.4f}{mark} "
+                     f"| {r['wall_seconds']:.0f} |")
+    return "\n".join(lines) + (f"\n\n{args.steps} inner steps per worker, H = {args.h}, {args.workers} regions, "
+                               "trained on the bundled C4 sample's shards 0-6, evaluated on shard 7.\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    methods, lrs = check(args, parser)
+    out = Path(args.output_dir).resolve()
+    arms_dir = out / "arms"
+    arms_dir.mkdir(parents=True, exist_ok=True)
+    results, failed = [], []
+    for arm in arms(methods, lrs, args):
+        summary = run_arm(arm, args, arms_dir)
+        if summary is None:
+            failed.append(arm.label)
+            continue
+        results.append({"arm": arm.label, "method": arm.method,
+                        "outer_lr": float(arm.flags[1]), "validation_loss": summary["eval_loss"],
+                        "wall_seconds": summary["wall_seconds"]})
+        (out / "tune.json").write_text(json.dumps({"argv": list(sys.argv[1:] if argv is None else argv),
+                                                   "results": results}, indent=2))
+        (out / "tune.md").write_text(table(results, args))
+    print(f"[tune] {len(results)} runs; {out / 'tune.md'}" + (f"; failed: {failed}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
