@@ -213,6 +213,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     if stopped and start["worker_checkpoint"] is None:  # restarted after the stop's round, before its commit
         checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step, rank,
                           world_size)
+        checkpoint_seconds = time.perf_counter() - loop_started
     while outer_step < cfg.run.outer_steps and not stopped:
         tokens_this_round = 0
         step_log.restart_clock()
