@@ -99,6 +99,8 @@ class InnerStep:
         back where the workers' last window was dropped (an abandoned round, a stop that ended overlapped workers a
         window ahead), so the schedule follows the outer steps and a checkpoint's position is outer step × H.
         LambdaLR's rate depends on the step alone."""
+        if self.scheduler.last_epoch == step:  # a fresh start: no step() before the optimizer's (PyTorch warns)
+            return
         self.scheduler.last_epoch = step - 1
         self.scheduler.step()
 

@@ -238,7 +238,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             last_sync_seconds = time.perf_counter() - sync_started
             sync_waits.append((round(time.perf_counter() - loop_started, 3), round(last_sync_seconds, 3)))
             sync_seconds_total += last_sync_seconds
-            if reached != outer_step + 1:  # re-synced to the run's later step, or the window's Δ was dropped
+            if reached != outer_step + 1:  # re-synced to a later step, or the window did not advance the outer step
                 inner_step.align(reached * H)
             advanced = reached != outer_step  # not: the round was abandoned, this window's Δ is lost
             if rank == 0:

@@ -232,3 +232,23 @@ def test_a_group_restarted_after_the_round_that_stopped_its_region_ends_at_that_
     assert (first[0], first[2]) == (1, False) and (before_stop["outer_step"], before_stop["stop"]) == (1, False)
     assert (stopping[0], stopping[2]) == (2, True)
     assert (restarted["outer_step"], restarted["stop"]) == (2, True) and actor.outer_step() == 2
+
+
+def test_a_request_that_came_after_the_hand_in_does_not_stop_a_restarted_group_of_a_multi_region_driver(tmp_path):
+    """Two regions of one driver: a request that reaches both after they handed in ends the next round, not this
+    one. A group restarted in between trains on (`resume_state` says stop only where a round agreed to)."""
+    r0, r1 = two_regions_of_one_driver(tmp_path, overlap=False)
+    try:
+        async def round_then_requests():
+            done = await asyncio.gather(r0.exchange(0, 0, 1, trained(r0, 1), tokens=1000),
+                                        r1.exchange(0, 0, 1, trained(r1, 2), tokens=1000))
+            for actor in (r0, r1):
+                actor.request_stop()
+            return done, [await actor.resume_state(0, 1) for actor in (r0, r1)]
+
+        done, restarted = asyncio.run(round_then_requests())
+    finally:
+        for actor in (r1, r0):
+            actor.shutdown()
+    assert [(step, stop) for step, _, stop in done] == [(1, False), (1, False)]
+    assert [(point["outer_step"], point["stop"]) for point in restarted] == [(1, False), (1, False)]

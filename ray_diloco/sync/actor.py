@@ -49,7 +49,7 @@ from ray_diloco.model import build_model, parameter_state
 from ray_diloco.network import region_network
 from ray_diloco.sharding import from_wire, rows_for_rank, to_wire
 from ray_diloco.sync.averaging import RegionAverager
-from ray_diloco.sync.bounded import BoundedCalls
+from ray_diloco.sync.bounded import LISTING_SECONDS, BoundedCalls
 from ray_diloco.sync.checkpoints import Checkpoints
 from ray_diloco.sync.compressed import CompressedRounds
 from ray_diloco.sync.membership import Membership
@@ -190,6 +190,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self.group_workers: int | None = None  # the worker count of the region's group now
         self.store = CheckpointStore(join(cfg.run.checkpoint_root(), self.region))
         self.committed: tuple[int, str] | None = None  # (outer step, worker checkpoint) of the last commit
+        self._committing: asyncio.Event | None = None  # set when the commit in progress ends (resume_state)
         self.inner_report: dict = {}  # rank 0's last loss, tokens/s, lr (note_inner): for the live summary
 
     # -- discovery and state -------------------------------------------------------------------------
@@ -262,6 +263,9 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
             self._abandon_in_flight()
         except Exception:  # noqa: BLE001 — failed before its outer step (recorded by _round): θ_global is unchanged
             pass
+        committing = self._committing
+        if committing is not None:  # the dying group's commit first: a second one of the step would replace it
+            await asyncio.wait_for(committing.wait(), timeout=self._download_seconds() + LISTING_SECONDS + 60.0)
         self.base = None
         self._handed_back = self._round_ended = time.perf_counter()
         # Any worker count: the rows are cut for this group, the worker checkpoint re-shards on load, and the data
@@ -271,10 +275,12 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
             rows = to_wire(rows_for_rank(self.outer.global_state(), world_size, rank))
         worker_checkpoint = self.committed[1] if self.committed and self.committed[0] == step else None
         # A group restarted after its round told the workers to stop (a worker died while they checkpointed or
-        # ended) ends there too: training a window would run one more round (a region alone in its driver)
-        # or end at the same step a window later, its inner steps lost.
+        # ended), or after an overlapped round agreed to stop at this step (Rounds._stopped_in_flight), ends there
+        # too: training a window would run one more round (a region alone in its driver) or end at the same step a
+        # window later, its inner steps lost.
+        stop = self._stopped_at == step or (self._stop_at is not None and step >= self._stop_at)
         return {"outer_step": step, "rows": rows, "progress": self.progress,
-                "worker_checkpoint": worker_checkpoint, "stop": self._stopped_at == step}
+                "worker_checkpoint": worker_checkpoint, "stop": stop}
 
     def catch_up(self) -> int:
         """Called by the driver once every region's actor runs: a region that started before its peers, or

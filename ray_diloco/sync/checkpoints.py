@@ -52,13 +52,19 @@ class Checkpoints:
         # the state's size at the slowest link the run allows: a hung bucket costs this checkpoint (the region
         # goes on; the last committed one stays the latest), never the group.
         bound = self._download_seconds() + LISTING_SECONDS
+        self._committing = committing = asyncio.Event()  # a restarting group waits for it (resume_state)
         try:
             location = await asyncio.get_running_loop().run_in_executor(
                 None, self._storage.call, "checkpoint", lambda: self.store.save(checkpoint), bound)
         except Exception as error:
             self.record_event("checkpoint_failed", outer_step=step, error=repr(error)[:300])
             return None
-        self.committed = (step, worker_checkpoint)
+        else:
+            self.committed = (step, worker_checkpoint)
+        finally:
+            committing.set()
+            if self._committing is committing:
+                self._committing = None
         # A region starting after our driver is gone can join from it; never over our final record (a checkpoint
         # of the last step comes after the region finished).
         if self.sharer is not None and self._published.phase not in (FINISHED, UNSETTLED):
