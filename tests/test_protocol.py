@@ -435,14 +435,16 @@ OLD_RULES = {
     "issue 22: overlapped rounds that hang are never counted in a row: the region trains on without averaging": (
         Rules(count_overlapped_hangs=False), "overlapped hung"),
     "stop: each region of a driver decided on its own request as its round ended, and a stop split them": (
-        Rules(agreed_stop=False), schedules(one_driver=True)),
+        # Without faults: with them (crashes, failed rounds) the split is rarer, 162 schedules in (CI's run drew no
+        # such schedule in 300 when the draws still depended on the modules loaded).
+        Rules(agreed_stop=False), schedules(faults=False, one_driver=True)),
     "overlap: the deadline counts from an overlapped region's hand-in": (
         Rules(blocking_time_deadline=False), "overlapped skew"),
 }
 
 
 @pytest.mark.parametrize("fault", sorted(OLD_RULES))
-def test_property_tests_find_each_fault_of_the_old_rules(fault):
+def test_property_tests_find_each_fault_of_the_old_rules(fault, draws_independent_of_loaded_modules):
     rules, strategy = OLD_RULES[fault]
     tried = 0
 
