@@ -152,8 +152,9 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         cfg = self.config
         self._rounds: dict[int, PendingRound] = {}
         self.stop_requested = False
-        self._stop_at: int | None = None  # the step a round agreed to stop at (Rounds._stopped_in_flight)
-        self._stopped_at: int | None = None  # the outer step whose round told the workers to stop (resume_state)
+        # The step the region stops at, once a round agreed to (Rounds._stopped_in_flight) or told its workers to:
+        # a later hand-in or a restarted group (resume_state) ends there.
+        self._stop_at: int | None = None
         self._state_lock = threading.Lock()  # _set_state (executor threads) against resume_state's reads
         self._running_round: asyncio.Event | None = None  # done-event of the round being applied now
         # Overlap: where the region's workers train from now (None: θ_global itself), the step they were told,
@@ -278,7 +279,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         # ended), or after an overlapped round agreed to stop at this step (Rounds._stopped_in_flight), ends there
         # too: training a window would run one more round (a region alone in its driver) or end at the same step a
         # window later, its inner steps lost.
-        stop = self._stopped_at == step or (self._stop_at is not None and step >= self._stop_at)
+        stop = self._stop_at is not None and step >= self._stop_at
         return {"outer_step": step, "rows": rows, "progress": self.progress,
                 "worker_checkpoint": worker_checkpoint, "stop": stop}
 
@@ -337,7 +338,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
                 # As the round agreed; a round that did not end (abandoned) or runs on (overlapped): the request.
                 pending.stop = self.stop_requested if pending.stop_agreed is None else pending.stop_agreed
                 if pending.stop:
-                    self._stopped_at = pending.reached
+                    self._stop_at = pending.reached
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
             finally:
