@@ -13,7 +13,7 @@ the same data, seed and inner AdamW, and the same number of inner steps (so the 
   global batch, the comparison of the DiLoCo scaling-law paper's M = 1 (the arms above train one worker per region);
 * `sparseloco-{1,3}pct-h{H}`: SparseLoCo, top 41 or 128 of every 4096 values at 2 bits, M = `--workers`;
 * `dct-k{2,4}-h{H}`: the decoupled-momentum DCT method, top 2 or 4 of every 64 coefficients, M = `--workers`;
-* `*-s{seed}`: the headline arms again with the next seed.
+* `*-s{seed}`: the headline arms again with the next seed (`--seeds 1` alone runs every arm with seed 1).
 
 Arms run in the order above, headline arms first, so a grid stopped early still compares the methods. It resumes:
 an arm with a summary.json is done and read back; an arm that was interrupted continues from its last checkpoint
@@ -32,6 +32,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +86,17 @@ def grid(workers: int, hs: list[int], seeds: list[int]) -> list[Arm]:
     arms += methods(first) + others(first)
     for h in rest:
         arms += methods(h) + others(h)
-    arms = [dataclasses.replace(a, seed=seeds[0]) for a in arms]
     headline = arms[:5]
+    arms = [with_seed(a, seeds[0]) for a in arms]
     for seed in seeds[1:]:
-        arms += [dataclasses.replace(a, label=f"{a.label}-s{seed}", seed=seed) for a in headline]
+        arms += [with_seed(a, seed) for a in headline]
     return arms
+
+
+def with_seed(arm: Arm, seed: int) -> Arm:
+    """The arm with this seed, which its label names unless it is 0: two seeds of one arm never share a directory
+    (`--seeds 1` alone once read back the seed-0 runs and reported them as seed 1)."""
+    return dataclasses.replace(arm, label=f"{arm.label}-s{seed}" if seed else arm.label, seed=seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +167,10 @@ def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
     """The arm's summary: read back if it ran before, else run (continued from its checkpoints if it began)."""
     summary_path = arms_dir / arm.label / "summary.json"
     if summary_path.exists():
+        if differences := settings_differ(arm, args, arms_dir):
+            print(f"[convergence] {arm.label}: {arms_dir / arm.label} holds a run with other settings ({differences}):"
+                  f" give another --output-dir", file=sys.stderr, flush=True)
+            return None
         return json.loads(summary_path.read_text())
     (arms_dir / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
     resume = committed_checkpoints(arms_dir / arm.label / "checkpoints", arm.label)
@@ -172,6 +183,24 @@ def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
         print(f"[convergence] {arm.label} failed (exit {code}); see {log}", file=sys.stderr, flush=True)
         return None
     return json.loads(summary_path.read_text())
+
+
+COMPARED = (("run", "mode"), ("run", "seed"), ("run", "outer_steps"), ("outer", "inner_steps"),
+            ("outer", "method"), ("outer", "compression"), ("outer", "topk"), ("outer", "lr"), ("data", "batch_size"))
+
+
+def settings_differ(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> str:
+    """Where the finished run in the arm's directory differs from the arm asked for (the directory reused with other
+    --seeds, --steps or --batch-size): reading it back would report another run's numbers under this arm's."""
+    from ray_diloco.cli import build_parser, resolve_config
+
+    saved = yaml.safe_load((arms_dir / arm.label / "config.yaml").read_text())
+    with tempfile.TemporaryDirectory() as scratch:  # the configuration this invocation would run the arm with
+        (Path(scratch) / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
+        argv = command(arm, args, Path(scratch), resume=False)[3:]  # after "python -m ray_diloco.cli"
+        wanted = resolve_config(build_parser().parse_args(argv)).to_dict()
+    return ", ".join(f"{section}.{key} {saved[section][key]!r}, not {wanted[section][key]!r}"
+                     for section, key in COMPARED if saved[section][key] != wanted[section][key])
 
 
 def row_of(arm: Arm, summary: dict, ddp_per_round: float | None) -> dict:
@@ -280,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"steps": args.steps, "batch_size": args.batch_size, "workers": args.workers, "h": hs,
                 "seeds": seeds, "argv": list(sys.argv[1:] if argv is None else argv), "machine": machine_info()}
     # The table holds every finished arm of the grid in this directory, whichever invocation ran it.
+    # An arm run with other settings is left out (run_arm says so, should this invocation ask for it).
     summaries = {a.label: json.loads(path.read_text()) for a in every
-                 if (path := arms_dir / a.label / "summary.json").exists()}
+                 if (path := arms_dir / a.label / "summary.json").exists() and not settings_differ(a, args, arms_dir)}
     failed, started = [], time.perf_counter()
     for arm in arms:
         summary = run_arm(arm, args, arms_dir)

@@ -64,6 +64,43 @@ def test_every_arm_of_the_default_grid_is_a_configuration_the_cli_takes(tmp_path
         assert len(cfg.regions) == (1 if arm.mode != "diloco" else arm.regions), arm.label
 
 
+def test_the_seed_is_in_every_label_but_seed_0s():
+    """`--seeds 1` alone once gave the seed-0 labels: it read the seed-0 runs back and reported them as seed 1."""
+    convergence = load_convergence()
+    first = convergence.grid(2, [50], [0])
+    again = convergence.grid(2, [50], [1])
+    assert [a.seed for a in again] == [1] * len(first)
+    assert [a.label for a in again] == [f"{a.label}-s1" for a in first]
+    both = convergence.grid(2, [50], [0, 1])
+    assert [a.label for a in both[:len(first)]] == [a.label for a in first]
+    assert {a.label: a for a in again}["dct-k2-h50-s1"] == {a.label: a for a in both}["dct-k2-h50-s1"]
+
+
+def test_a_finished_arm_with_other_settings_is_not_read_back(tmp_path, capsys):
+    """An output directory reused with another --steps: the finished arm is not reported as this invocation's, and
+    not silently trained over either."""
+    convergence = load_convergence()
+    argv = ["--steps", "8", "--h", "2", "--workers", "2", "--seeds", "0", "--arms", "dct-k2-h2",
+            "--output-dir", str(tmp_path)]
+    parser = convergence.build_parser()
+    args = parser.parse_args(argv)
+    (arm,) = [a for a in convergence.grid(2, [2], [0]) if a.label == "dct-k2-h2"]
+    finished = tmp_path / "arms" / arm.label  # what `ray-diloco train` left: its configuration and summary
+    finished.mkdir(parents=True)
+    (tmp_path / "arms" / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
+    cfg = resolve_config(build_parser().parse_args(convergence.command(arm, args, tmp_path / "arms", False)[3:]))
+    (finished / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    (finished / "summary.json").write_text("{}")
+    assert convergence.settings_differ(arm, args, tmp_path / "arms") == ""
+
+    argv[1] = "4"
+    assert convergence.main(argv) == 1
+    assert "holds a run with other settings (run.outer_steps 4, not 2): give another --output-dir" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "arms" / f"{arm.label}.log").exists()  # nothing trained
+    assert not (tmp_path / "convergence.json").exists()
+
+
 def test_the_tuning_runs_train_on_the_split_and_are_evaluated_on_its_validation_shard(tmp_path):
     """benchmarks/tune.py: every run is the grid's arm of its method with its outer lr, trained on shards 0-6 of
     the bundled sample and evaluated on shard 7, never on the held-out file the grid reports."""
