@@ -394,6 +394,34 @@ def test_a_hung_bucket_costs_its_calls_not_the_round_or_the_group(tmp_path, monk
     assert [e["outer_step"] for e in a.events if e["event"] == "checkpoint_failed"] == [1]
 
 
+def test_a_restarted_group_waits_for_the_dying_groups_commit_and_loads_that_checkpoint(tmp_path):
+    """A group restarted while its predecessor's commit is still being written (a slow bucket) must wait for it:
+    answered before, it found no worker checkpoint of the step, started AdamW anew and, where it had to checkpoint
+    the step itself (a stop), committed the step a second time over the first."""
+    actor = SyncActorImpl(config(tmp_path, "commit-wait", [1], outer_steps=3, matchmaking_seconds=MM), "r0")
+    save = actor.store.save
+
+    def slow_save(checkpoint):
+        time.sleep(1.5)  # the bucket takes its time; the restart's call comes meanwhile
+        return save(checkpoint)
+
+    try:
+        async def commit_then_restart():
+            await actor.exchange(0, 0, 1, trained(actor, 30), tokens=1000)
+            actor.store.save = slow_save
+            commit = asyncio.create_task(actor.commit_checkpoint(1, "worker-checkpoint-1"))
+            await asyncio.sleep(0.3)  # the commit is under way
+            point = await actor.resume_state(0, 1)
+            return point, commit.done(), await commit
+
+        point, commit_done_first, location = asyncio.run(commit_then_restart())
+    finally:
+        actor.shutdown()
+    assert location is not None and commit_done_first
+    assert (point["outer_step"], point["worker_checkpoint"]) == (1, "worker-checkpoint-1"), point
+    assert actor.store.steps() == [1]
+
+
 def test_a_nonfinite_delta_after_the_region_ended_publishes_nothing(tmp_path):
     """issue 22 item 4: a region that re-synced to the end during an overlapped round published FINISHED; a
     non-finite Δ in the blocking last call then published OUT and looked for a newer state after the end."""
