@@ -111,6 +111,7 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
     point = ray.get(sync_actor.resume_state.remote(rank, world_size))  # one call: one consistent state
     rows = from_wire(point["rows"])
     inner_position = point["outer_step"] * inner_steps
+    restored = False
     if point["worker_checkpoint"] is not None:
         meta = load_worker_checkpoint(point["worker_checkpoint"], model, inner_step.optimizer)
         mismatched = [name for name, p in model.named_parameters() if not _equals_rows(local_shard(p), rows[name])]
@@ -119,10 +120,12 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
                                f"does not hold θ_global of outer step {point['outer_step']} ({len(mismatched)} "
                                "tensors differ): the checkpoint store is inconsistent")
         inner_position = meta["inner_step"]
+        # Written by a group that trained no step (restarted after its region's stop): AdamW starts anew all the
+        # same, and the event says so.
+        restored = not meta.get("fresh_inner_state", False)
     else:
         load_rows(model, rows)
     if rank == 0 and point["outer_step"] > 0:
-        restored = point["worker_checkpoint"] is not None
         sync_actor.record_event.remote("inner_state_restored" if restored else "inner_state_reset",
                                        checkpoint=point["worker_checkpoint"])
     inner_step.align(inner_position)
@@ -134,11 +137,12 @@ def _equals_rows(shard: torch.Tensor, rows: torch.Tensor) -> bool:
 
 
 def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: str, outer_step: int, rank: int,
-                      world_size: int) -> None:
+                      world_size: int, fresh_inner_state: bool = False) -> None:
     """Worker checkpoint first (every rank uploads), then the SyncActor commits its outer checkpoint that
-    points at it: a committed outer checkpoint always has a complete worker checkpoint beside it."""
+    points at it: a committed outer checkpoint always has a complete worker checkpoint beside it.
+    `fresh_inner_state`: the group trained no step (its AdamW state holds nothing to restore)."""
     location = save_worker_checkpoint(model, inner_step.optimizer, experiment_uri, outer_step,
-                                      inner_step.scheduler.last_epoch, rank, world_size)
+                                      inner_step.scheduler.last_epoch, rank, world_size, fresh_inner_state)
     if world_size > 1:
         dist.barrier()  # every rank's upload is done
     if rank == 0:
@@ -212,7 +216,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     outer_step, stopped = start["outer_step"], start["stop"]
     if stopped and start["worker_checkpoint"] is None:  # restarted after the stop's round, before its commit
         checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step, rank,
-                          world_size)
+                          world_size, fresh_inner_state=True)
         checkpoint_seconds = time.perf_counter() - loop_started
     while outer_step < cfg.run.outer_steps and not stopped:
         tokens_this_round = 0

@@ -5,8 +5,9 @@ run's storage (`RunConfig(storage_path=…)`: a local path, `s3://…` or `gs://
 
 - its FSDP2 shards of the model and of the inner AdamW state, with `torch.distributed.checkpoint` (one file
   per rank, plus rank 0's metadata; Ray Train merges the ranks' uploads into one directory);
-- rank 0 also writes `meta.json`: the outer step, the inner step (the learning-rate schedule's position) and
-  the worker count that wrote it.
+- rank 0 also writes `meta.json`: the outer step, the inner step (the learning-rate schedule's position), the
+  worker count that wrote it, and whether its AdamW state is fresh (`fresh_inner_state`: written by a group that
+  trained no step, so a group that loads it starts AdamW anew and says so).
 
 A group of another size loads it too: `torch.distributed.checkpoint` re-shards the model and AdamW state to the
 loading group's mesh (the elastic resize of a region). The data position is the region's, kept by the SyncActor.
@@ -54,11 +55,12 @@ def save_token(world_size: int) -> str:
 
 
 def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experiment_uri: str,
-                           outer_step: int, inner_step: int, rank: int, world_size: int) -> str:
+                           outer_step: int, inner_step: int, rank: int, world_size: int,
+                           fresh_inner_state: bool = False) -> str:
     """Every rank of the group calls this (collective); returns where the checkpoint is stored."""
     local = tempfile.mkdtemp(prefix="diloco-ckpt-")
     try:
-        write_worker_checkpoint(model, optimizer, local, outer_step, inner_step, rank, world_size)
+        write_worker_checkpoint(model, optimizer, local, outer_step, inner_step, rank, world_size, fresh_inner_state)
         name = checkpoint_name(outer_step, save_token(world_size))
         # Uploads this rank's files and waits for the other ranks (a barrier): when it returns, Ray Train
         # has the whole checkpoint.
@@ -70,12 +72,14 @@ def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 
 def write_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str,
-                            outer_step: int, inner_step: int, rank: int, world_size: int) -> None:
+                            outer_step: int, inner_step: int, rank: int, world_size: int,
+                            fresh_inner_state: bool = False) -> None:
     """This rank's shards into `directory` (collective), and rank 0's meta: what `load_worker_checkpoint` reads."""
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
     if rank == 0:
-        meta = {"outer_step": outer_step, "inner_step": inner_step, "world_size": world_size}
+        meta = {"outer_step": outer_step, "inner_step": inner_step, "world_size": world_size,
+                "fresh_inner_state": fresh_inner_state}
         Path(directory, META_FILE).write_text(json.dumps(meta))
 
 
@@ -85,7 +89,7 @@ KERNEL_FLAGS = ("fused", "foreach")  # how the optimizer steps on this machine, 
 def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
                            ) -> dict[str, Any]:
     """Load this rank's model and AdamW shards (collective), re-sharded when the checkpoint was written by
-    another worker count; returns its meta (outer step, inner step, world size). The optimizer keeps its own kernel
+    another worker count; returns its meta (outer step, inner step, world size, fresh_inner_state). The optimizer keeps its own kernel
     choice (`fused`, `foreach`: this machine's, see `build_inner_optimizer`), not the writer's: the state dict
     carries them in its param groups, and a checkpoint written on a CPU would make a GPU group step unfused."""
     checkpoint = ray.train.Checkpoint(location)

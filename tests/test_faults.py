@@ -8,6 +8,8 @@
 - A whole run killed after a checkpoint resumes to the model of a run that was never stopped, round by round,
   and every kept outer checkpoint names a complete worker checkpoint.
 - A step saved again after a restart keeps its worker checkpoint (Ray Train's own retention deleted it).
+- A group restarted after the round that stopped its region (the real worker loop: tests/test_stop.py has the
+  SyncActor's side) writes the stop's checkpoint and ends without training.
 """
 
 import dataclasses
@@ -224,3 +226,64 @@ def test_a_step_saved_again_after_a_restart_keeps_its_worker_checkpoint(local_ra
     for step, location in saves[-keep:]:  # the second save of step 2 among them, whole
         model = torch.nn.Linear(4, 4)
         assert load_worker_checkpoint(location, model, torch.optim.AdamW(model.parameters()))["outer_step"] == int(step)
+
+
+def test_a_real_group_restarted_after_its_regions_stop_checkpoints_that_step_and_trains_nothing(local_ray, tmp_path):
+    """The worker side of the restart above, with real parts: the region's SyncActor, data stream and Ray Train
+    group (FSDP2 over gloo) as the driver starts them. The first group's two rounds are handed in by this test; the
+    stop reaches the SyncActor before the second, and the group dies before it checkpoints (nothing is committed:
+    run.checkpoint_every 0 checkpoints only where the run stops). The group Ray Train starts in its place
+    (`region_train_loop`) writes the stop's checkpoint, of θ_global at the stop's step, and ends without training;
+    a group restarted once more finds that checkpoint committed and writes nothing. That checkpoint's AdamW state is
+    the new group's, which trained no step: a group that loads it says `inner_state_reset`, not restored (it
+    said restored before the checkpoint was marked fresh)."""
+    from ray_diloco.actor_by_name import ActorByName
+    from ray_diloco.data import DataCounters
+    from ray_diloco.driver import dataset_recipes, make_trainer, start_streams, start_sync_actors
+    from ray_diloco.run_setup import resolve_vocab
+    from ray_diloco.sharding import from_wire, to_wire
+    from ray_diloco.sync.outer import state_digest
+    from ray_diloco.tokenizer import load_tokenizer
+
+    cfg = small_run(tmp_path, "real-restart-after-stop", [1], outer_steps=4, checkpoint_every=0,
+                    checkpoint_path=str(tmp_path / "bucket"))
+    cfg = resolve_vocab(cfg, load_tokenizer(cfg.data.tokenizer))  # as the driver does: the model's true shapes
+    (actor,) = start_sync_actors(cfg, {"r0": None})
+    counters = DataCounters.options(name="restart-after-stop-counters").remote()  # the streams count into it
+    by_name = ActorByName("restart-after-stop-counters")
+    streams = start_streams(cfg, cfg.regions, dataset_recipes(cfg, cfg.regions, by_name), by_name)
+    try:
+        theta = ray.get(actor.global_state.remote())
+        for step in range(2):  # the first group's windows: θ_global moved a little, as H inner steps would
+            if step == 1:
+                ray.get(actor.request_stop.remote())  # `ray job stop`, before the second hand-in
+            shards = to_wire({name: t + 1e-3 * (step + 1) for name, t in theta.items()})
+            reached, rows, stop = ray.get(actor.exchange.remote(step, 0, 1, shards, 1000))
+            theta = from_wire(rows)
+        assert (reached, stop) == (2, True)
+        store = CheckpointStore(join(cfg.run.checkpoint_root(), "r0"))
+        assert store.steps() == []  # the first group died before its checkpoint
+
+        restarted = make_trainer(cfg, cfg.regions[0], None).fit()
+        assert restarted.error is None, restarted.error
+        worker = restarted.return_value
+        assert (worker["stopped"], worker["outer_step"], worker["tokens_per_worker"]) == (True, 2, 0), worker
+        assert store.steps() == [2]
+        committed = store.load(2)
+        assert state_digest(committed.theta) == state_digest(theta) == ray.get(actor.digest.remote())
+        events = [e["event"] for e in ray.get(actor.stats.remote())["events"]]
+        assert events.count("inner_state_reset") == 1 and "inner_state_restored" not in events, events
+
+        again = make_trainer(cfg, cfg.regions[0], None).fit()
+        assert again.error is None and again.return_value["stopped"] and again.return_value["outer_step"] == 2
+        assert store.steps() == [2] and store.load(2).worker_checkpoint == committed.worker_checkpoint
+        def inner_state_events():  # sent by the worker without waiting for them: they may arrive a moment later
+            return [e for e in ray.get(actor.stats.remote())["events"] if e["event"].startswith("inner_state_")]
+
+        events = wait_for(lambda: len(inner_state_events()) == 2 and inner_state_events(), 30, "the second event")
+        assert [(e["event"], e["checkpoint"]) for e in events] == [
+            ("inner_state_reset", None), ("inner_state_reset", committed.worker_checkpoint)], events
+    finally:
+        ray.get([actor.shutdown.remote(), *(s.close.remote() for s in streams)])
+        for left in (actor, counters, *streams):
+            ray.kill(left)
