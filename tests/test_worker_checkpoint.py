@@ -76,7 +76,7 @@ def test_a_checkpoint_written_by_two_workers_loads_into_one_resharded(tmp_path):
     ((meta, loaded),) = run_gloo_ranks(functools.partial(_load, directory), world=1, rows=1)
     written, loaded = _read(written), _read(loaded)
 
-    assert meta == {"outer_step": 5, "inner_step": 3, "world_size": 2}
+    assert meta == {"outer_step": 5, "inner_step": 3, "world_size": 2, "fresh_inner_state": False}
     assert written["model"].keys() == loaded["model"].keys()
     for name, value in written["model"].items():
         assert torch.equal(loaded["model"][name], value), name
