@@ -16,7 +16,8 @@ the same data, seed and inner AdamW, and the same number of inner steps (so the 
 * `*-s{seed}`: the headline arms again with the next seed (`--seeds 1` alone runs every arm with seed 1).
 
 Arms run in the order above, headline arms first, so a grid stopped early still compares the methods. It resumes:
-an arm with a summary.json is done and read back; an arm that was interrupted continues from its last checkpoint
+an arm with a summary.json is done and read back (if its config.yaml has the settings asked for: else it is
+refused, and another --output-dir is the fix); an arm that was interrupted continues from its last checkpoint
 (`--resume`); only `--arms` (glob patterns) are run. After every arm it rewrites `convergence.json`,
 `convergence.md` (held-out loss, bytes sent per round, bits per parameter per round, × DDP bytes, wall time) and
 two plots: held-out loss against tokens per worker, and final loss against bytes sent (the Pareto picture).
