@@ -122,6 +122,8 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
     except ValueError:
         parser.error(f"--h and --seeds take comma-separated integers, got {args.h!r}, {args.seeds!r}")
     bad = [f"--h {h} must divide --steps {args.steps}" for h in hs if h < 1 or args.steps % h]
+    if len(set(seeds)) < len(seeds):  # one label per seed: a second would only read the first back
+        bad.append(f"--seeds {args.seeds}: give each seed once")
     bad += [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals", "steps")
             if getattr(args, name) < 1]
     if bad:
@@ -165,14 +167,17 @@ def committed_checkpoints(root: Path, label: str) -> bool:
 
 
 def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
-    """The arm's summary: read back if it ran before, else run (continued from its checkpoints if it began)."""
+    """The arm's summary: read back if it ran to its end before, else run (continued from its checkpoints if it
+    began, or stopped: Ctrl-C reaches the arm's CLI too, which ends at its next outer step with a summary).
+    An arm begun with other settings is refused: continued or read back, it would mix or misname two runs."""
     summary_path = arms_dir / arm.label / "summary.json"
-    if summary_path.exists():
-        if differences := settings_differ(arm, args, arms_dir):
-            print(f"[convergence] {arm.label}: {arms_dir / arm.label} holds a run with other settings ({differences}):"
-                  f" give another --output-dir", file=sys.stderr, flush=True)
-            return None
-        return json.loads(summary_path.read_text())
+    begun = summary_path.exists() or committed_checkpoints(arms_dir / arm.label / "checkpoints", arm.label)
+    if begun and (differences := settings_differ(arm, args, arms_dir)):
+        print(f"[convergence] {arm.label}: {arms_dir / arm.label} holds a run with other settings ({differences}):"
+              f" give another --output-dir", file=sys.stderr, flush=True)
+        return None
+    if (done := finished_summary(arm, args, arms_dir)) is not None:
+        return done
     (arms_dir / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
     resume = committed_checkpoints(arms_dir / arm.label / "checkpoints", arm.label)
     log = arms_dir / f"{arm.label}.log"
@@ -180,10 +185,19 @@ def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
     with log.open("a") as handle:
         code = subprocess.call(command(arm, args, arms_dir, resume), stdout=handle, stderr=subprocess.STDOUT,
                                cwd=ROOT)
-    if code != 0 or not summary_path.exists():
-        print(f"[convergence] {arm.label} failed (exit {code}); see {log}", file=sys.stderr, flush=True)
+    done = finished_summary(arm, args, arms_dir)
+    if code != 0 or done is None:
+        print(f"[convergence] {arm.label} failed or stopped (exit {code}); see {log}", file=sys.stderr, flush=True)
+    return done
+
+
+def finished_summary(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
+    """The summary of the arm's run if it ran to its end with the settings asked for (not stopped part-way)."""
+    path = arms_dir / arm.label / "summary.json"
+    if not path.exists():
         return None
-    return json.loads(summary_path.read_text())
+    summary = json.loads(path.read_text())
+    return None if summary.get("stopped") or settings_differ(arm, args, arms_dir) else summary
 
 
 COMPARED = (("run", "mode"), ("run", "seed"), ("run", "outer_steps"), ("outer", "inner_steps"),
@@ -191,17 +205,28 @@ COMPARED = (("run", "mode"), ("run", "seed"), ("run", "outer_steps"), ("outer", 
 
 
 def settings_differ(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> str:
-    """Where the finished run in the arm's directory differs from the arm asked for (the directory reused with other
-    --seeds, --steps or --batch-size): reading it back would report another run's numbers under this arm's."""
+    """Where the run in the arm's directory differs from the arm asked for (the directory reused with other
+    --seeds, --steps, --workers or --batch-size): reading it back would report another run's numbers under this
+    arm's, continuing it would mix two. "" where they agree."""
     from ray_diloco.cli import build_parser, resolve_config
 
-    saved = yaml.safe_load((arms_dir / arm.label / "config.yaml").read_text())
+    path = arms_dir / arm.label / "config.yaml"
+    if not path.exists():
+        return f"no {path.name}"
+    saved = yaml.safe_load(path.read_text()) or {}
     with tempfile.TemporaryDirectory() as scratch:  # the configuration this invocation would run the arm with
         (Path(scratch) / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
         argv = command(arm, args, Path(scratch), resume=False)[3:]  # after "python -m ray_diloco.cli"
         wanted = resolve_config(build_parser().parse_args(argv)).to_dict()
-    return ", ".join(f"{section}.{key} {saved[section][key]!r}, not {wanted[section][key]!r}"
-                     for section, key in COMPARED if saved[section][key] != wanted[section][key])
+
+    def settings(cfg: dict) -> dict[str, object]:
+        values = {f"{section}.{key}": (cfg.get(section) or {}).get(key, "missing") for section, key in COMPARED}
+        values["regions"] = [(r.get("name"), r.get("workers")) for r in cfg.get("regions") or []]  # M, workers
+        return values
+
+    saved_values, wanted_values = settings(saved), settings(wanted)
+    return ", ".join(f"{name} {saved_values[name]!r}, not {value!r}" for name, value in wanted_values.items()
+                     if saved_values[name] != value)
 
 
 def row_of(arm: Arm, summary: dict, ddp_per_round: float | None) -> dict:
@@ -310,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"steps": args.steps, "batch_size": args.batch_size, "workers": args.workers, "h": hs,
                 "seeds": seeds, "argv": list(sys.argv[1:] if argv is None else argv), "machine": machine_info()}
     # The table holds every finished arm of the grid in this directory, whichever invocation ran it.
-    # An arm run with other settings is left out (run_arm says so, should this invocation ask for it).
-    summaries = {a.label: json.loads(path.read_text()) for a in every
-                 if (path := arms_dir / a.label / "summary.json").exists() and not settings_differ(a, args, arms_dir)}
+    # An arm run with other settings, or stopped part-way, is left out (run_arm says so, or continues it, should this
+    # invocation ask for it).
+    summaries = {a.label: done for a in every if (done := finished_summary(a, args, arms_dir)) is not None}
     failed, started = [], time.perf_counter()
     for arm in arms:
         summary = run_arm(arm, args, arms_dir)

@@ -120,9 +120,9 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
                                f"does not hold θ_global of outer step {point['outer_step']} ({len(mismatched)} "
                                "tensors differ): the checkpoint store is inconsistent")
         inner_position = meta["inner_step"]
-        # Written by a group that trained no step (restarted after its region's stop): AdamW starts anew all the
-        # same, and the event says so.
-        restored = not meta.get("fresh_inner_state", False)
+        # Written by a group that trained no step (restarted after its region's stop): AdamW starts anew, as with no
+        # checkpoint (load_worker_checkpoint leaves it empty), and the event says so.
+        restored = not meta["fresh_inner_state"]
     else:
         load_rows(model, rows)
     if rank == 0 and point["outer_step"] > 0:

@@ -89,9 +89,11 @@ KERNEL_FLAGS = ("fused", "foreach")  # how the optimizer steps on this machine, 
 def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
                            ) -> dict[str, Any]:
     """Load this rank's model and AdamW shards (collective), re-sharded when the checkpoint was written by
-    another worker count; returns its meta (outer step, inner step, world size, fresh_inner_state). The optimizer keeps its own kernel
-    choice (`fused`, `foreach`: this machine's, see `build_inner_optimizer`), not the writer's: the state dict
-    carries them in its param groups, and a checkpoint written on a CPU would make a GPU group step unfused."""
+    another worker count; returns its meta (outer step, inner step, world size, fresh_inner_state: then the
+    optimizer is left without state, as a fresh one). The optimizer
+    keeps its own kernel choice (`fused`, `foreach`: this machine's, see `build_inner_optimizer`), not the
+    writer's: the state dict carries them in its param groups, and a checkpoint written on a CPU would make a GPU
+    group step unfused."""
     checkpoint = ray.train.Checkpoint(location)
     with checkpoint.as_directory() as directory:
         meta_file = Path(directory, META_FILE)
@@ -105,4 +107,10 @@ def load_worker_checkpoint(location: str, model: torch.nn.Module, optimizer: tor
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, chosen in zip(optimizer.param_groups, kernels):
             group.update(chosen)
+    meta.setdefault("fresh_inner_state", False)  # written before the field: by a group that trained
+    if meta["fresh_inner_state"]:
+        # Nothing to restore, and what was saved is not a fresh AdamW: torch's get_state_dict materialises an empty
+        # optimizer's state with a step of lr 0, so the moments say one step was taken, which would damp the first
+        # real one. Empty, AdamW starts as with no checkpoint.
+        optimizer.state.clear()
     return meta

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script, argv, message", [
     ("convergence.py", ["--steps", "10", "--h", "7"], "--h 7 must divide --steps 10"),
     ("convergence.py", ["--arms", "nothing-*"], "--arms 'nothing-*' names no arm"),
+    ("convergence.py", ["--seeds", "1,1"], "--seeds 1,1: give each seed once"),
     ("tune.py", ["--outer-lrs", "0.7,0"], "--outer-lrs: each must be > 0, got '0.7,0'"),
     ("tune.py", ["--methods", "adam"], "--methods: 'adam': choose from diloco, sparseloco, dct"),
     ("poisoned.py", ["--steps", "10", "--h", "7"], "--h 7 must divide --steps 10"),

@@ -76,29 +76,44 @@ def test_the_seed_is_in_every_label_but_seed_0s():
     assert {a.label: a for a in again}["dct-k2-h50-s1"] == {a.label: a for a in both}["dct-k2-h50-s1"]
 
 
+def write_finished_arm(convergence, arms_dir: Path, arm, args, summary: dict) -> None:
+    """What `ray-diloco train` leaves for an arm run with `args`: its configuration beside its summary."""
+    (arms_dir / arm.label).mkdir(parents=True, exist_ok=True)
+    (arms_dir / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
+    cfg = resolve_config(build_parser().parse_args(convergence.command(arm, args, arms_dir, False)[3:]))
+    (arms_dir / arm.label / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    (arms_dir / arm.label / "summary.json").write_text(json.dumps(summary))
+
+
 def test_a_finished_arm_with_other_settings_is_not_read_back(tmp_path, capsys):
-    """An output directory reused with another --steps: the finished arm is not reported as this invocation's, and
-    not silently trained over either."""
+    """An output directory reused with another --steps or --workers: the finished arm is neither reported as this
+    invocation's (its table leaves it out) nor silently trained over; an arm stopped part-way (Ctrl-C reaches its
+    CLI, which writes a summary with `stopped: true`) is not a finished one."""
     convergence = load_convergence()
     argv = ["--steps", "8", "--h", "2", "--workers", "2", "--seeds", "0", "--arms", "dct-k2-h2",
             "--output-dir", str(tmp_path)]
     parser = convergence.build_parser()
     args = parser.parse_args(argv)
-    (arm,) = [a for a in convergence.grid(2, [2], [0]) if a.label == "dct-k2-h2"]
-    finished = tmp_path / "arms" / arm.label  # what `ray-diloco train` left: its configuration and summary
-    finished.mkdir(parents=True)
-    (tmp_path / "arms" / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
-    cfg = resolve_config(build_parser().parse_args(convergence.command(arm, args, tmp_path / "arms", False)[3:]))
-    (finished / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    (finished / "summary.json").write_text("{}")
-    assert convergence.settings_differ(arm, args, tmp_path / "arms") == ""
+    arms = {a.label: a for a in convergence.grid(2, [2], [0])}
+    arms_dir = tmp_path / "arms"
+    write_finished_arm(convergence, arms_dir, arms["dct-k2-h2"], args, {"eval_loss": 7.0})
+    assert convergence.settings_differ(arms["dct-k2-h2"], args, arms_dir) == ""
+    assert convergence.finished_summary(arms["dct-k2-h2"], args, arms_dir) == {"eval_loss": 7.0}
+    write_finished_arm(convergence, arms_dir, arms["ddp"], args, {"eval_loss": 7.5, "stopped": True})
+    assert convergence.finished_summary(arms["ddp"], args, arms_dir) is None  # stopped: to be continued
 
     argv[1] = "4"
     assert convergence.main(argv) == 1
     assert "holds a run with other settings (run.outer_steps 4, not 2): give another --output-dir" \
         in capsys.readouterr().err
-    assert not (tmp_path / "arms" / f"{arm.label}.log").exists()  # nothing trained
+    assert not (arms_dir / "dct-k2-h2.log").exists()  # nothing trained
     assert not (tmp_path / "convergence.json").exists()
+
+    three = parser.parse_args(["--steps", "8", "--h", "2", "--workers", "3", "--seeds", "0"])
+    (dct_of_three,) = [a for a in convergence.grid(3, [2], [0]) if a.label == "dct-k2-h2"]
+    assert convergence.settings_differ(dct_of_three, three, arms_dir) == (
+        "regions [('region-a', 1), ('region-b', 1)], not [('region-a', 1), ('region-b', 1), ('region-c', 1)]")
+    assert convergence.finished_summary(dct_of_three, three, arms_dir) is None  # not in the table either
 
 
 def test_the_tuning_runs_train_on_the_split_and_are_evaluated_on_its_validation_shard(tmp_path):

@@ -240,6 +240,7 @@ def test_a_real_group_restarted_after_its_regions_stop_checkpoints_that_step_and
     from ray_diloco.actor_by_name import ActorByName
     from ray_diloco.data import DataCounters
     from ray_diloco.driver import dataset_recipes, make_trainer, start_streams, start_sync_actors
+    from ray_diloco.lifecycle import release_all, wait_until_dead
     from ray_diloco.run_setup import resolve_vocab
     from ray_diloco.sharding import from_wire, to_wire
     from ray_diloco.sync.outer import state_digest
@@ -248,11 +249,12 @@ def test_a_real_group_restarted_after_its_regions_stop_checkpoints_that_step_and
     cfg = small_run(tmp_path, "real-restart-after-stop", [1], outer_steps=4, checkpoint_every=0,
                     checkpoint_path=str(tmp_path / "bucket"))
     cfg = resolve_vocab(cfg, load_tokenizer(cfg.data.tokenizer))  # as the driver does: the model's true shapes
-    (actor,) = start_sync_actors(cfg, {"r0": None})
-    counters = DataCounters.options(name="restart-after-stop-counters").remote()  # the streams count into it
-    by_name = ActorByName("restart-after-stop-counters")
-    streams = start_streams(cfg, cfg.regions, dataset_recipes(cfg, cfg.regions, by_name), by_name)
+    started = list(start_sync_actors(cfg, {"r0": None}))
+    actor = started[0]
     try:
+        started.append(DataCounters.options(name="restart-after-stop-counters").remote())  # the streams count here
+        by_name = ActorByName("restart-after-stop-counters")
+        started += start_streams(cfg, cfg.regions, dataset_recipes(cfg, cfg.regions, by_name), by_name)
         theta = ray.get(actor.global_state.remote())
         for step in range(2):  # the first group's windows: θ_global moved a little, as H inner steps would
             if step == 1:
@@ -273,17 +275,16 @@ def test_a_real_group_restarted_after_its_regions_stop_checkpoints_that_step_and
         assert state_digest(committed.theta) == state_digest(theta) == ray.get(actor.digest.remote())
         events = [e["event"] for e in ray.get(actor.stats.remote())["events"]]
         assert events.count("inner_state_reset") == 1 and "inner_state_restored" not in events, events
-
         again = make_trainer(cfg, cfg.regions[0], None).fit()
         assert again.error is None and again.return_value["stopped"] and again.return_value["outer_step"] == 2
         assert store.steps() == [2] and store.load(2).worker_checkpoint == committed.worker_checkpoint
+
         def inner_state_events():  # sent by the worker without waiting for them: they may arrive a moment later
             return [e for e in ray.get(actor.stats.remote())["events"] if e["event"].startswith("inner_state_")]
 
         events = wait_for(lambda: len(inner_state_events()) == 2 and inner_state_events(), 30, "the second event")
         assert [(e["event"], e["checkpoint"]) for e in events] == [
             ("inner_state_reset", None), ("inner_state_reset", committed.worker_checkpoint)], events
-    finally:
-        ray.get([actor.shutdown.remote(), *(s.close.remote() for s in streams)])
-        for left in (actor, counters, *streams):
-            ray.kill(left)
+    finally:  # as the driver ends them: each closes its own processes (Hivemind's, Ray Data's), then is killed
+        release_all([(actor, "shutdown"), *((a, None) for a in started[1:2]), *((s, "close") for s in started[2:])])
+        assert not wait_until_dead(started)

@@ -28,6 +28,11 @@ def _group(world: int, port: int, rank: int):
     """A small tiny-preset model and its inner step, sharded over `world` gloo ranks."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return _model_and_step(world)
+
+
+def _model_and_step(world: int):
+    """The model and inner step of `_group`, in a process group already formed."""
     base = tiny_cpu()
     cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
                                                               num_layers=2, num_heads=2),
@@ -85,3 +90,26 @@ def test_a_checkpoint_written_by_two_workers_loads_into_one_resharded(tmp_path):
         assert state["exp_avg"].abs().sum() > 0, name  # trained moments, not a fresh optimizer's zeros
         for key, value in state.items():
             assert torch.equal(loaded["optim"][name][key], value), (name, key)
+
+
+def _untrained_round_trips(directory: str, rank: int, port: int, results) -> None:
+    """For each marking: a checkpoint written by a group that took no step, loaded into another fresh group; puts
+    (fresh_inner_state as loaded, the loaded optimizer's step counts)."""
+    _group(1, port, rank)
+    for fresh in (False, True):
+        model, step = _model_and_step(1)
+        path = f"{directory}/fresh-{fresh}"
+        write_worker_checkpoint(model, step.optimizer, path, outer_step=2, inner_step=0, rank=rank, world_size=1,
+                                fresh_inner_state=fresh)
+        model, step = _model_and_step(1)
+        meta = load_worker_checkpoint(path, model, step.optimizer)
+        results.put((meta["fresh_inner_state"], sorted({float(s["step"]) for s in step.optimizer.state.values()})))
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_of_a_group_that_trained_nothing_loads_as_a_fresh_adamw(tmp_path):
+    """A group restarted after its region's stop checkpoints before any step (worker.region_train_loop). Saving
+    takes a step of lr 0 (torch's get_state_dict materialises an empty optimizer's state): loaded as it is, AdamW
+    would count one step already taken. Marked fresh, it loads with no state, as a group with no checkpoint starts."""
+    loaded = run_gloo_ranks(functools.partial(_untrained_round_trips, str(tmp_path)), world=1, rows=2)
+    assert loaded == [(False, [1.0]), (True, [])]  # unmarked: what the load would have restored
