@@ -16,9 +16,11 @@ the same data, seed and inner AdamW, and the same number of inner steps (so the 
 * `*-s{seed}`: the headline arms again with the next seed (`--seeds 1` alone runs every arm with seed 1).
 
 Arms run in the order above, headline arms first, so a grid stopped early still compares the methods. It resumes:
-an arm with a summary.json is done and read back (if its config.yaml has the settings asked for: else it is
-refused, and another --output-dir is the fix); an arm that was interrupted continues from its last checkpoint
-(`--resume`); only `--arms` (glob patterns) are run. After every arm it rewrites `convergence.json`,
+an arm with a summary.json of a run to its end is done and read back; an arm that was interrupted or stopped
+(Ctrl-C: the arm's CLI stops at its next outer step, and a second Ctrl-C forces it) continues from its last
+checkpoint (`--resume`; its summary then counts the wall time of the last invocation only); an arm begun with
+other settings than this invocation's (its config.yaml says) is refused, and another --output-dir is the fix;
+only `--arms` (glob patterns) are run. After every arm it rewrites `convergence.json`,
 `convergence.md` (held-out loss, bytes sent per round, bits per parameter per round, × DDP bytes, wall time) and
 two plots: held-out loss against tokens per worker, and final loss against bytes sent (the Pareto picture).
 Tuning is not done here: `tune.py` tunes the outer lr on a validation split, never on the held-out set.
@@ -122,8 +124,9 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
     except ValueError:
         parser.error(f"--h and --seeds take comma-separated integers, got {args.h!r}, {args.seeds!r}")
     bad = [f"--h {h} must divide --steps {args.steps}" for h in hs if h < 1 or args.steps % h]
-    if len(set(seeds)) < len(seeds):  # one label per seed: a second would only read the first back
-        bad.append(f"--seeds {args.seeds}: give each seed once")
+    for flag, values, given in (("--h", hs, args.h), ("--seeds", seeds, args.seeds)):
+        if len(set(values)) < len(values):  # one label each: a second would only read the first back
+            bad.append(f"{flag} {given}: give each value once")
     bad += [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals", "steps")
             if getattr(args, name) < 1]
     if bad:
@@ -156,22 +159,22 @@ def command(arm: Arm, args: argparse.Namespace, arms_dir: Path, resume: bool) ->
     return [sys.executable, "-m", "ray_diloco.cli", "train", *flags, *arm.flags] + (["--resume"] if resume else [])
 
 
-def committed_checkpoints(root: Path, label: str) -> bool:
-    """Whether every region of an interrupted arm committed a checkpoint it can continue from (a run killed while
-    writing its first one leaves a directory without one: it starts again). Beside the regions' directories lie
-    their workers' Ray Train runs, `<run>-<region>/`."""
+def region_checkpoints(root: Path, label: str) -> list[list[int]]:
+    """The committed outer steps of each region of an arm (a run killed while writing its first checkpoint leaves a
+    directory without one). Beside the regions' directories lie their workers' Ray Train runs, `<run>-<region>/`."""
     from ray_diloco.checkpoint import CheckpointStore
 
     regions = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(f"{label}-")] if root.is_dir() else []
-    return bool(regions) and all(CheckpointStore(str(d)).steps() for d in regions)
+    return [CheckpointStore(str(d)).steps() for d in regions]
 
 
 def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
     """The arm's summary: read back if it ran to its end before, else run (continued from its checkpoints if it
-    began, or stopped: Ctrl-C reaches the arm's CLI too, which ends at its next outer step with a summary).
-    An arm begun with other settings is refused: continued or read back, it would mix or misname two runs."""
+    began, or was stopped). An arm begun with other settings is refused: continued or read back, it would mix or
+    misname two runs (the CLI itself lets a continued run change its outer steps, worker counts and outer lr)."""
     summary_path = arms_dir / arm.label / "summary.json"
-    begun = summary_path.exists() or committed_checkpoints(arms_dir / arm.label / "checkpoints", arm.label)
+    steps = region_checkpoints(arms_dir / arm.label / "checkpoints", arm.label)
+    begun = summary_path.exists() or any(steps)  # the CLI continues from any region's checkpoints
     if begun and (differences := settings_differ(arm, args, arms_dir)):
         print(f"[convergence] {arm.label}: {arms_dir / arm.label} holds a run with other settings ({differences}):"
               f" give another --output-dir", file=sys.stderr, flush=True)
@@ -179,29 +182,52 @@ def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
     if (done := finished_summary(arm, args, arms_dir)) is not None:
         return done
     (arms_dir / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
-    resume = committed_checkpoints(arms_dir / arm.label / "checkpoints", arm.label)
+    resume = bool(steps) and all(steps)  # else it starts again (a region without a checkpoint cannot continue)
     log = arms_dir / f"{arm.label}.log"
     print(f"[convergence] {arm.label}: {'continuing' if resume else 'starting'} ({log})", flush=True)
     with log.open("a") as handle:
-        code = subprocess.call(command(arm, args, arms_dir, resume), stdout=handle, stderr=subprocess.STDOUT,
-                               cwd=ROOT)
+        code = run_to_its_end(command(arm, args, arms_dir, resume), handle)
     done = finished_summary(arm, args, arms_dir)
     if code != 0 or done is None:
         print(f"[convergence] {arm.label} failed or stopped (exit {code}); see {log}", file=sys.stderr, flush=True)
     return done
 
 
+def run_to_its_end(cmd: list[str], log) -> int:
+    """The arm's CLI, waited for. Ctrl-C reaches it too (the terminal signals the whole process group): it then ends
+    at its next outer step with a checkpoint and a summary (`stopped`; the next invocation continues it), which is
+    waited for here; a second Ctrl-C forces it (the CLI's rule), and this kills it. Then the grid ends. (A plain
+    `subprocess.call` killed the CLI 0.25 s after the first Ctrl-C: everything since its last checkpoint was lost.)"""
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        print("[convergence] stopping: the arm ends at its next outer step with a checkpoint (Ctrl-C again: now)",
+              file=sys.stderr, flush=True)
+        try:
+            process.wait()
+        except KeyboardInterrupt:
+            process.kill()
+            process.wait()
+        raise
+
+
 def finished_summary(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
-    """The summary of the arm's run if it ran to its end with the settings asked for (not stopped part-way)."""
+    """The summary of the arm's run if it ran to its end with the settings asked for (not stopped part-way, nor
+    cut short while it was written)."""
     path = arms_dir / arm.label / "summary.json"
     if not path.exists():
         return None
-    summary = json.loads(path.read_text())
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
     return None if summary.get("stopped") or settings_differ(arm, args, arms_dir) else summary
 
 
 COMPARED = (("run", "mode"), ("run", "seed"), ("run", "outer_steps"), ("outer", "inner_steps"),
             ("outer", "method"), ("outer", "compression"), ("outer", "topk"), ("outer", "lr"), ("data", "batch_size"))
+SECTIONS = sorted({section for section, _ in COMPARED})
 
 
 def settings_differ(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> str:
@@ -211,9 +237,12 @@ def settings_differ(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> str:
     from ray_diloco.cli import build_parser, resolve_config
 
     path = arms_dir / arm.label / "config.yaml"
-    if not path.exists():
-        return f"no {path.name}"
-    saved = yaml.safe_load(path.read_text()) or {}
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        return f"{path.name} unreadable: {type(error).__name__}"
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(section, {}), dict) for section in SECTIONS):
+        return f"{path.name} is not a run configuration"
     with tempfile.TemporaryDirectory() as scratch:  # the configuration this invocation would run the arm with
         (Path(scratch) / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
         argv = command(arm, args, Path(scratch), resume=False)[3:]  # after "python -m ray_diloco.cli"
@@ -221,7 +250,8 @@ def settings_differ(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> str:
 
     def settings(cfg: dict) -> dict[str, object]:
         values = {f"{section}.{key}": (cfg.get(section) or {}).get(key, "missing") for section, key in COMPARED}
-        values["regions"] = [(r.get("name"), r.get("workers")) for r in cfg.get("regions") or []]  # M, workers
+        regions = cfg.get("regions") if isinstance(cfg.get("regions"), list) else []
+        values["regions"] = [(r.get("name"), r.get("workers")) if isinstance(r, dict) else r for r in regions]
         return values
 
     saved_values, wanted_values = settings(saved), settings(wanted)
@@ -340,7 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {a.label: done for a in every if (done := finished_summary(a, args, arms_dir)) is not None}
     failed, started = [], time.perf_counter()
     for arm in arms:
-        summary = run_arm(arm, args, arms_dir)
+        try:
+            summary = run_arm(arm, args, arms_dir)
+        except KeyboardInterrupt:  # the arm has ended (stopped, with a checkpoint, or forced)
+            print(f"[convergence] stopped at {arm.label}: the same command continues the grid", file=sys.stderr)
+            return 130
         if summary is None:
             failed.append(arm.label)
             continue

@@ -44,9 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_arm(label: str, aggregation: str, factor: float | None, args: argparse.Namespace) -> dict | None:
+    """The arm's summary: read back if it ran to its end with this --steps and --h (its summary says; the
+    factor it does not), else run. A stopped or other run there is refused, not reported as this arm."""
     summary = args.output_dir / label / "summary.json"
     if summary.exists():
-        return json.loads(summary.read_text())
+        done = json.loads(summary.read_text())
+        ran = (done.get("inner_steps"), done.get("outer_steps"), bool(done.get("stopped")))
+        if ran == (args.h, args.steps // args.h, False):
+            return done
+        print(f"[poisoned] {label}: {summary.parent} holds a run of H={ran[0]}, {ran[1]} outer steps"
+              f"{', stopped part-way' if ran[2] else ''}: give another --output-dir", file=sys.stderr, flush=True)
+        return None
     from ray_diloco.sync.rounds import POISON_ENV_VAR  # here: torch loads only once an arm runs
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", POISON_ENV_VAR)}

@@ -56,12 +56,16 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or any(m not in METHODS for m in methods):
         parser.error(f"--methods: {args.methods!r}: choose from {', '.join(METHODS)}")
+    if len(set(methods)) < len(methods):  # one label per run: a second would only read the first back
+        parser.error(f"--methods: give each method once, got {args.methods!r}")
     try:
         lrs = [float(v) for v in args.outer_lrs.split(",")]
     except ValueError:
         parser.error(f"--outer-lrs takes comma-separated numbers, got {args.outer_lrs!r}")
     if not lrs or any(not (math.isfinite(lr) and lr > 0) for lr in lrs):
         parser.error(f"--outer-lrs: each must be > 0, got {args.outer_lrs!r}")
+    if len({f"{lr:g}" for lr in lrs}) < len(lrs):  # the labels' spelling of the rate
+        parser.error(f"--outer-lrs: give each value once, got {args.outer_lrs!r}")
     if args.h < 1 or args.steps % args.h:
         parser.error(f"--h {args.h} must divide --steps {args.steps}")
     bad = [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals")
@@ -104,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     arms_dir.mkdir(parents=True, exist_ok=True)
     results, failed = [], []
     for arm in arms(methods, lrs, args):
-        summary = run_arm(arm, args, arms_dir)
+        try:
+            summary = run_arm(arm, args, arms_dir)
+        except KeyboardInterrupt:  # the run has ended (stopped, with a checkpoint, or forced): convergence.run_arm
+            print(f"[tune] stopped at {arm.label}: the same command continues the sweep", file=sys.stderr)
+            return 130
         if summary is None:
             failed.append(arm.label)
             continue

@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script, argv, message", [
     ("convergence.py", ["--steps", "10", "--h", "7"], "--h 7 must divide --steps 10"),
     ("convergence.py", ["--arms", "nothing-*"], "--arms 'nothing-*' names no arm"),
-    ("convergence.py", ["--seeds", "1,1"], "--seeds 1,1: give each seed once"),
+    ("convergence.py", ["--seeds", "1,1"], "--seeds 1,1: give each value once"),
+    ("convergence.py", ["--h", "50,50"], "--h 50,50: give each value once"),
+    ("tune.py", ["--outer-lrs", "0.7,0.70"], "--outer-lrs: give each value once, got '0.7,0.70'"),
+    ("tune.py", ["--methods", "dct,dct"], "--methods: give each method once, got 'dct,dct'"),
     ("tune.py", ["--outer-lrs", "0.7,0"], "--outer-lrs: each must be > 0, got '0.7,0'"),
     ("tune.py", ["--methods", "adam"], "--methods: 'adam': choose from diloco, sparseloco, dct"),
     ("poisoned.py", ["--steps", "10", "--h", "7"], "--h 7 must divide --steps 10"),
@@ -51,3 +54,24 @@ def test_the_wan_benchmarks_region_configs_are_valid(tmp_path, overlap):
 
     path = wan.region_config(wan.build_parser().parse_args([]), "cell", "r0", overlap, tmp_path)
     assert ExperimentConfig.from_yaml(path.read_text()).outer.overlap == overlap
+
+
+def test_poisoned_reads_back_only_a_finished_run_of_its_steps(tmp_path, capsys):
+    """Its arms were read back whatever their --steps and --h, and stopped part-way too."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("poisoned", ROOT / "benchmarks" / "poisoned.py")
+    poisoned = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(poisoned)
+    (tmp_path / "clean-mean").mkdir()
+    summary = {"inner_steps": 5, "outer_steps": 2, "stopped": False, "eval_loss": 7.0, "eval_loss_at_start": 10.9,
+               "regions_agree": True, "events": [], "wall_seconds": 60.0}
+    (tmp_path / "clean-mean" / "summary.json").write_text(json.dumps(summary))
+    argv = ["--arms", "clean-mean", "--steps", "10", "--h", "5", "--output-dir", str(tmp_path)]
+    assert poisoned.main(argv) == 0  # read back
+    assert poisoned.main([*argv[:5], "2", *argv[6:]]) == 1  # H = 2: another run
+    assert "holds a run of H=5, 2 outer steps: give another --output-dir" in capsys.readouterr().err
+    (tmp_path / "clean-mean" / "summary.json").write_text(json.dumps({**summary, "stopped": True}))
+    assert poisoned.main(argv) == 1
+    assert "stopped part-way" in capsys.readouterr().err

@@ -8,6 +8,7 @@ without training, that the command and YAML of every arm of the default grid mak
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -114,6 +115,67 @@ def test_a_finished_arm_with_other_settings_is_not_read_back(tmp_path, capsys):
     assert convergence.settings_differ(dct_of_three, three, arms_dir) == (
         "regions [('region-a', 1), ('region-b', 1)], not [('region-a', 1), ('region-b', 1), ('region-c', 1)]")
     assert convergence.finished_summary(dct_of_three, three, arms_dir) is None  # not in the table either
+
+
+def test_a_begun_arm_is_refused_with_other_settings_and_a_stopped_one_is_continued(tmp_path, monkeypatch, capsys):
+    """An arm that only checkpointed (interrupted) with other settings is refused before its CLI starts: the CLI
+    would continue it, changing its outer steps with a warning only. One stopped part-way (`stopped: true`) with
+    the same settings is continued with --resume, not read back."""
+    import torch
+
+    from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint
+
+    convergence = load_convergence()
+    parser = convergence.build_parser()
+    earlier = parser.parse_args(["--steps", "8", "--h", "2", "--workers", "2", "--seeds", "0"])
+    arms = {a.label: a for a in convergence.grid(2, [2], [0])}
+    arms_dir = tmp_path / "arms"
+    for label in ("dct-k2-h2", "sparseloco-1pct-h2"):
+        write_finished_arm(convergence, arms_dir, arms[label], earlier, {"eval_loss": 7.0, "stopped": True})
+        for region in ("region-a", "region-b"):  # a committed checkpoint of each region
+            CheckpointStore(str(arms_dir / label / "checkpoints" / region)).save(
+                OuterCheckpoint(outer_step=1, theta={"w": torch.zeros(2)}, momentum={"w": torch.zeros(2)}))
+    (arms_dir / "dct-k2-h2" / "summary.json").unlink()  # interrupted: checkpoints only
+    started = []
+    monkeypatch.setattr(convergence, "run_to_its_end", lambda cmd, log: started.append(cmd) or 1)
+
+    later = parser.parse_args(["--steps", "4", "--h", "2", "--workers", "2", "--seeds", "0"])
+    assert convergence.run_arm(arms["dct-k2-h2"], later, arms_dir) is None and not started
+    assert "holds a run with other settings (run.outer_steps 4, not 2)" in capsys.readouterr().err
+    assert convergence.run_arm(arms["sparseloco-1pct-h2"], earlier, arms_dir) is None  # stopped: continued
+    (command,) = started
+    assert command[-1] == "--resume" and command[command.index("--run-name") + 1] == "sparseloco-1pct-h2"
+
+
+def test_the_first_ctrl_c_lets_the_arm_stop_at_its_boundary(tmp_path):
+    """Ctrl-C signals the whole process group: the grid and the arm's CLI. The grid waits for the CLI to end at its
+    next outer step (a plain subprocess.call killed it after 0.25 s, losing everything since its checkpoint)."""
+    import signal
+    import subprocess
+    import time
+
+    started, ended = tmp_path / "started", tmp_path / "ended"
+    child = (f"import signal, time, pathlib\n"  # a CLI that needs a moment to reach its boundary
+             f"def stop(*_):\n"
+             f"    time.sleep(1.0)\n"
+             f"    pathlib.Path({str(ended)!r}).touch()\n"
+             f"    raise SystemExit(0)\n"
+             f"signal.signal(signal.SIGINT, stop)\n"
+             f"pathlib.Path({str(started)!r}).touch()\n"
+             f"time.sleep(60)\n")
+    grid = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+            f"import convergence\n"
+            f"convergence.run_to_its_end([sys.executable, '-c', {child!r}], sys.stdout)\n")
+    process = subprocess.Popen([sys.executable, "-c", grid], start_new_session=True, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 60
+    while not started.exists():  # the grid imports ray_diloco's CLI first
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)  # what the terminal does
+    _, err = process.communicate(timeout=60)
+    assert ended.exists(), err  # the arm ended on its own, not killed
+    assert "KeyboardInterrupt" in err and "the arm ends at its next outer step" in err
 
 
 def test_the_tuning_runs_train_on_the_split_and_are_evaluated_on_its_validation_shard(tmp_path):
