@@ -163,7 +163,10 @@ def test_the_first_ctrl_c_lets_the_arm_stop_at_its_boundary(tmp_path):
              f"signal.signal(signal.SIGINT, stop)\n"
              f"pathlib.Path({str(started)!r}).touch()\n"
              f"time.sleep(60)\n")
-    grid = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+    # A process started in the background inherits SIGINT ignored (CI runs so): Python, started from a terminal,
+    # turns it into KeyboardInterrupt, and so does the grid here.
+    grid = (f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
             f"import convergence\n"
             f"convergence.run_to_its_end([sys.executable, '-c', {child!r}], sys.stdout)\n")
     process = subprocess.Popen([sys.executable, "-c", grid], start_new_session=True, stderr=subprocess.PIPE,
