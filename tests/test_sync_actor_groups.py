@@ -1,0 +1,116 @@
+"""The SyncActor (ray_diloco.sync.actor.SyncActorImpl, tested as a plain class) and the region's worker group:
+the handshake of a (re)starting group is one state, a restart drops a dead rank's shards, a group of another size
+is a resize that continues from the region's position, and a group restarted while the dying group's commit is
+still written waits for it. The actor's rounds, re-syncs and faults are in tests/test_sync_actor.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from ray_diloco.sync.actor import SyncActorImpl
+from test_sync_actor import MM, config, trained
+
+
+def halves(actor: SyncActorImpl, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Two ranks' shards (dim-0 halves, as FSDP2 with 2 workers) of a slightly trained θ."""
+    from ray_diloco.sharding import rows_for_rank
+
+    full = trained(actor, seed)
+    return [rows_for_rank(full, 2, rank) for rank in range(2)]
+
+
+def test_the_worker_handshake_is_one_state_and_restarts_drop_a_dead_ranks_shards(tmp_path):
+    """A restarted group gets (outer step, rows, data position, checkpoint) in one call; shards a rank of the
+    old group left in a round are dropped (their waiter gets an error, never a hang); a step that does not match
+    the actor's is refused."""
+    cfg = config(tmp_path, "handshake", [2])
+    actor = SyncActorImpl(cfg, "r0")
+    for rank, pid in ((0, 100), (1, 101)):
+        actor.register_worker(rank, 2, pid, "host")
+
+    async def scenario():
+        old_rank0 = asyncio.ensure_future(actor.exchange(0, 0, 2, halves(actor, 1)[0], tokens=10))
+        await asyncio.sleep(0.1)  # rank 1 of the old group died before sending its shards
+        actor.register_worker(0, 2, 200, "host")  # the group restarts
+        with pytest.raises(RuntimeError, match="dropped: rank 0 of the region restarted"):
+            await old_rank0
+        state = await actor.resume_state(1, 2)
+        assert state["outer_step"] == 0 and state["worker_checkpoint"] is None
+        new = halves(actor, 2)
+        return state, await asyncio.gather(actor.exchange(0, 0, 2, new[0], tokens=10),
+                                           actor.exchange(0, 1, 2, new[1], tokens=10))
+
+    state, results = asyncio.run(scenario())
+    assert set(state["rows"]) == set(actor.shapes)  # rank 1's rows of every parameter
+    assert [step for step, _, _ in results] == [1, 1] and actor.tokens == 20  # the new ranks' round only
+    with pytest.raises(RuntimeError, match="exchanges outer step 0, but the region's workers should be at step 1"):
+        asyncio.run(actor.exchange(0, 0, 2, halves(actor, 3)[0], tokens=10))
+
+
+def test_a_group_of_another_size_is_a_resize_and_continues_from_the_regions_position(tmp_path):
+    """Ray Train restarts an elastic region's group with 1 worker after a round of 2: the actor records
+    `group_resized` (2 -> 1, at the outer step), hands the new rank 0 every row, and the region's data position
+    (both old ranks' windows), refuses a late call of the old group, and a round of 1 goes on from there."""
+    cfg = config(tmp_path, "resize", [2])
+    actor = SyncActorImpl(cfg, "r0")
+    for rank, pid in ((0, 100), (1, 101)):
+        actor.register_worker(rank, 2, pid, "host", node=f"node-{rank}")
+    start = {"batches": 0, "epoch": 0, "epoch_batches": 0, "windows": 0, "fingerprint": "0" * 16}
+    progress = [{"batches": 3 + rank, "epoch": 0, "epoch_batches": 3 + rank, "windows": 2 * 4,
+                 "fingerprint": f"{rank + 1:016x}", "start": start} for rank in range(2)]
+
+    async def round_of_two():
+        shards = halves(actor, 1)
+        return await asyncio.gather(*(actor.exchange(0, rank, 2, shards[rank], 10, progress[rank])
+                                      for rank in range(2)))
+
+    asyncio.run(round_of_two())
+    actor.register_worker(0, 1, 300, "host", node="node-2")  # on a node the autoscaler started meanwhile
+    assert actor.stats()["worker_nodes"] == ["node-0", "node-1", "node-2"]  # every node, in order of first use
+    (resized,) = [e for e in actor.events if e["event"] == "group_resized"]
+    assert (resized["from_workers"], resized["to_workers"], resized["outer_step"]) == (2, 1, 1)
+    state = asyncio.run(actor.resume_state(0, 1))
+    assert all(state["rows"][name].shape == shape for name, shape in actor.shapes.items())  # every row
+    assert state["progress"] == {"batches": 4, "epoch": 0, "epoch_batches": 4, "windows": 16,
+                                 "fingerprint": f"{3:016x}"}
+    assert actor.worker_pids() == {0: 300}  # rank 1 of the old group is gone
+    with pytest.raises(RuntimeError, match="of a group of 2 exchanges, but the region's group has 1 workers now"):
+        asyncio.run(actor.exchange(1, 1, 2, halves(actor, 3)[1], 10, progress[1]))  # a late rank of the old group
+    rank0 = {**progress[0], "start": state["progress"]}
+    step, _, _ = asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), 10, rank0))
+    assert step == 2
+    actor.register_worker(0, 1, 301, "host", node="node-1")  # restarted on a node it had used before: listed once
+    assert actor.stats()["worker_nodes"] == ["node-0", "node-1", "node-2"]
+
+
+def test_a_restarted_group_waits_for_the_dying_groups_commit_and_loads_that_checkpoint(tmp_path):
+    """A group restarted while its predecessor's commit is still being written (a slow bucket) must wait for it:
+    answered before, it found no worker checkpoint of the step, started AdamW anew and, where it had to checkpoint
+    the step itself (a stop), committed the step a second time over the first."""
+    actor = SyncActorImpl(config(tmp_path, "commit-wait", [1], outer_steps=3, matchmaking_seconds=MM), "r0")
+    save = actor.store.save
+
+    def slow_save(checkpoint):
+        time.sleep(1.5)  # the bucket takes its time; the restart's call comes meanwhile
+        return save(checkpoint)
+
+    try:
+        async def commit_then_restart():
+            await actor.exchange(0, 0, 1, trained(actor, 30), tokens=1000)
+            actor.store.save = slow_save
+            commit = asyncio.create_task(actor.commit_checkpoint(1, "worker-checkpoint-1"))
+            await asyncio.sleep(0.3)  # the commit is under way
+            point = await actor.resume_state(0, 1)
+            return point, commit.done(), await commit
+
+        point, commit_done_first, location = asyncio.run(commit_then_restart())
+    finally:
+        actor.shutdown()
+    assert location is not None and commit_done_first
+    assert (point["outer_step"], point["worker_checkpoint"]) == (1, "worker-checkpoint-1"), point
+    assert actor.store.steps() == [1]
