@@ -179,7 +179,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
         print(f"[convergence] {arm.label}: {arms_dir / arm.label} holds a run with other settings ({differences}):"
               f" give another --output-dir", file=sys.stderr, flush=True)
         return None
-    if (done := finished_summary(arm, args, arms_dir)) is not None:
+    if begun and (done := summary_to_its_end(summary_path)) is not None:  # its settings were checked above
         return done
     (arms_dir / f"{arm.label}.yaml").write_text(yaml.safe_dump(arm_config(arm, args)))
     resume = bool(steps) and all(steps)  # else it starts again (a region without a checkpoint cannot continue)
@@ -215,14 +215,17 @@ def run_to_its_end(cmd: list[str], log) -> int:
 def finished_summary(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
     """The summary of the arm's run if it ran to its end with the settings asked for (not stopped part-way, nor
     cut short while it was written)."""
-    path = arms_dir / arm.label / "summary.json"
-    if not path.exists():
-        return None
+    summary = summary_to_its_end(arms_dir / arm.label / "summary.json")
+    return None if summary is None or settings_differ(arm, args, arms_dir) else summary
+
+
+def summary_to_its_end(path: Path) -> dict | None:
+    """The summary at `path` of a run that ended (None: none, stopped part-way, or cut short while written)."""
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return None if summary.get("stopped") or settings_differ(arm, args, arms_dir) else summary
+    return None if summary.get("stopped") else summary
 
 
 COMPARED = (("run", "mode"), ("run", "seed"), ("run", "outer_steps"), ("outer", "inner_steps"),
