@@ -152,7 +152,8 @@ def check_elastic_region(cfg: ExperimentConfig, groups: list[RegionConfig]) -> N
                               f"(`ray start --head --num-cpus {math.ceil(need)}` or more)")
         if cfg.run.checkpoint_every != 1:
             print(f"[driver] warning: {group.name} is elastic and run.checkpoint_every is "
-                  f"{cfg.run.checkpoint_every}: a resize between checkpoints starts its inner AdamW state anew "
+                  f"{cfg.run.checkpoint_every}: a resize between checkpoints (a scale-up, a node lost without "
+                  "notice; a preemption's notice makes its own) starts its inner AdamW state anew "
                   "(run.checkpoint_every: 1 keeps it)", flush=True)
 
 
@@ -247,7 +248,10 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, evaluator: str | No
                                      elastic_resize_monitor_interval_s=cfg.run.resize_check_seconds,
                                      resources_per_worker=resources, label_selector=selector),
         run_config=RunConfig(name=experiment, storage_path=cfg.run.checkpoint_root(),
-                             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+                             # A preempted node is not a failure: Ray Train restarts the group on what is left
+                             # however often (ray_diloco/preemption.py says what the group does before that).
+                             failure_config=FailureConfig(max_failures=cfg.run.max_failures,
+                                                          max_preemption_failures=-1),
                              checkpoint_config=worker_checkpoint_config()),
     )
 

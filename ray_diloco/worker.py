@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ray_diloco import metrics
+from ray_diloco import metrics, preemption
 from ray_diloco.batches import WorkerBatches, region_progress
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.inner import reset_nonfinite_state
@@ -149,6 +149,23 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
         ray.get(sync_actor.commit_checkpoint.remote(outer_step, location))
 
 
+def wait_out_notice(sync_actor, notice, region: str, outer_step: int, round_seconds: float, rank: int) -> None:
+    """Under a preemption notice, after the round's checkpoint: wait for the deadline where another window might
+    not end before it (ray_diloco/preemption.py). Events say what the group did."""
+    waits, left = preemption.waits_for_deadline(notice, round_seconds), preemption.seconds_left(notice)
+    if rank == 0:
+        sync_actor.record_event.remote("preemption_notice", outer_step=outer_step, nodes=notice.preempted_node_ids,
+                                       seconds_left=None if left is None else round(left, 1),
+                                       round_seconds=round(round_seconds, 1), waits_for_deadline=waits)
+        status(f"[{region}] outer step {outer_step} checkpointed under a preemption notice "
+               f"({'no deadline' if left is None else f'{left:.0f}s to the deadline'}): "
+               f"{'waiting for it' if waits else 'training on'}")
+    if waits:
+        preemption.sleep_past_deadline(notice)
+        if rank == 0:  # the node outlived its deadline: the drain was cancelled
+            sync_actor.record_event.remote("preemption_not_taken", outer_step=outer_step)
+
+
 def run_actors(loop_config: dict[str, Any]) -> tuple[Any, Any, Any]:
     """The region's SyncActor (None in a baseline), the run's evaluator (None without mid-run evaluations) and the
     region's data stream, by the names the driver gave them (`driver.make_trainer` says why not handles)."""
@@ -219,7 +236,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                           world_size, fresh_inner_state=True)
         checkpoint_seconds = time.perf_counter() - loop_started
     while outer_step < cfg.run.outer_steps and not stopped:
-        tokens_this_round = 0
+        tokens_this_round, window_started = 0, time.perf_counter()
         step_log.restart_clock()
         for inner in range(H):
             lr = inner_step.lr  # the rate this step uses (the scheduler moves on inside the step)
@@ -233,9 +250,11 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
                 sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
             test_slowdown(region, outer_step)
+            notice = preemption.standing_notice()  # once a round, on every rank: a node of the group goes soon
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
-                outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress()))
+                outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress(),
+                notice is not None))
             load_rows(model, rows)
             if reset_nonfinite_state(inner_step.optimizer):  # this rank's moments went NaN: start them anew
                 sync_actor.record_event.remote("inner_state_reset_nonfinite", rank=rank)
@@ -252,7 +271,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             outer_step = reached
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
-            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop, advanced):
+            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop, advanced, notice is not None):
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)
@@ -263,6 +282,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if stop:  # the run was asked to stop; started again under its name, it goes on from here
                 stopped = True
                 break
+            if notice is not None and outer_step < cfg.run.outer_steps:
+                wait_out_notice(sync_actor, notice, region, outer_step, time.perf_counter() - window_started, rank)
         else:
             outer_step += 1
             if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:

@@ -12,9 +12,11 @@ in a Ray of its own (`--local-regions eu`), and the two meet over Hivemind throu
 (no `--initial-peers`). Ray Train's elastic policy asks for 2 workers: the autoscaler starts the second node and the
 group grows to 2. Mid-run one node is preempted as on a cloud: drained with reason PREEMPTION and a deadline (the
 notice); at the deadline Ray Train ends the group, the node's processes are killed and the instance leaves the
-provider's list, and for a while there is no capacity to replace it (tests/preemptible_provider.py). Ray Train
-restarts the group from the last checkpoint on the 1 worker there is room for, with `run.max_failures: 0` (a
-preemption is not a failure). Meanwhile a third cluster starts (region ap, `--local-regions ap`, its own Ray) and
+provider's list, and for a while there is no capacity to replace it (tests/preemptible_provider.py). Between the
+notice and the deadline the group checkpoints every round and, where another window would not end before the
+deadline, waits for it (ray_diloco/preemption.py; the run has no periodic checkpoints, `checkpoint_every: 0`, so
+any checkpoint is the notice's). Ray Train restarts the group from that checkpoint on the 1 worker there is room
+for, with `run.max_failures: 0` (a preemption is not a failure). Meanwhile a third cluster starts (region ap, `--local-regions ap`, its own Ray) and
 joins from the others' state. Once capacity returns, nothing but Ray Train's elastic policy asks for nodes: the
 autoscaler starts one in place of the lost one and the group grows back to 2 on it. After the run the autoscaler
 terminates the idle node (down to its minimum of 1). Checks that:
@@ -25,9 +27,10 @@ terminates the idle node (down to its minimum of 1). Checks that:
   onto a node the autoscaler started after the preemption;
 * us's data fingerprint equals that of the first N windows of its stream (N: the windows it trained on): no
   window twice and none skipped across the resizes;
-* the group restarted with 1 worker continued from the region's state: from the worker checkpoint written by 2
-  workers (re-sharded; tests/test_worker_checkpoint.py shows the re-sharding without the timing) or, where the
-  preemption fell between a round and its checkpoint, with AdamW anew, as the README says (both are events);
+* the group saw the notice (`preemption_notice`, naming the node) and waited for the deadline on its checkpoint;
+  the group restarted with 1 worker continued from it exactly, AdamW included (`inner_state_restored`: the worker
+  checkpoint written by 2 workers, re-sharded; tests/test_worker_checkpoint.py shows the re-sharding without the
+  timing), where without the notice's checkpoint it would have started AdamW anew;
 * once the run ended, the autoscaler terminated its idle node.
 """
 
@@ -41,14 +44,14 @@ from ray.util.state import list_workers
 from autoscaling_head import AutoscalingHead, NodeType
 from conftest import Driver, alive, driver_env, named_actor, wait_for
 from ray_diloco.batches import window_fingerprint
-from ray_diloco.checkpoint import CheckpointStore
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.pipeline import build_region_datasets
 from ray_diloco.driver import REGION_LABEL, run_actor_name
 from ray_diloco.presets import tiny_cpu
+from ray_diloco.worker_checkpoint import checkpoint_name
 
-OUTER_STEPS = 9  # grow, checkpoint, preempt, a round with 1 worker, grow back: with room to spare
-NOTICE_SECONDS = 10  # a preemption's notice: the drain's deadline
+OUTER_STEPS = 9  # grow, a round on 2 workers, preempt, a round with 1 worker, grow back: with room to spare
+NOTICE_SECONDS = 30  # a preemption's notice, the drain's deadline (GCP gives spot VMs 30 s, AWS 2 min)
 
 
 def run_yaml(tmp_path: Path) -> Path:
@@ -57,8 +60,9 @@ def run_yaml(tmp_path: Path) -> Path:
                       {"name": "ap", "workers": 1}]
     cfg["outer"].update(inner_steps=4, max_wait_seconds=240, matchmaking_seconds=5, averaging_timeout=120)
     cfg["inner"]["warmup_steps"] = 2
-    # max_failures 0: a preempted node must cost a resize, never one of the region's failures.
-    cfg["run"].update(name="elastic", outer_steps=OUTER_STEPS, checkpoint_every=1, eval_every=0, max_failures=0,
+    # max_failures 0: a preempted node must cost a resize, never one of the region's failures. checkpoint_every 0:
+    # the only checkpoints are the preemption notice's.
+    cfg["run"].update(name="elastic", outer_steps=OUTER_STEPS, checkpoint_every=0, eval_every=0, max_failures=0,
                       resize_check_seconds=5, output_dir=str(tmp_path / "out"),
                       checkpoint_path=str(tmp_path / "bucket"))
     path = tmp_path / "run.yaml"
@@ -125,8 +129,7 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         # Ray Train asks for 2 workers; the autoscaler starts the second node and the group grows to 2.
         running(lambda: len(ray.get(actor.worker_pids.remote())) == 2, 600, "the group on 2 workers")
         grown = ray.get(actor.outer_step.remote())
-        store = CheckpointStore(str(tmp_path / "bucket" / "elastic" / "checkpoints" / "us"))
-        running(lambda: (store.latest_step() or 0) > grown, 600, "a checkpoint of us's after the growth")
+        running(lambda: ray.get(actor.outer_step.remote()) > grown, 600, "a round of us's on 2 workers")
         before = len(events_of(actor, "group_resized"))
         used_before = ray.get(actor.stats.remote())["worker_nodes"]  # the nodes us's workers ran on until now
         preempted = head.worker_nodes()[-1]["NodeID"]
@@ -183,12 +186,17 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
     # Every round trained H steps of 1 batch per worker; the fingerprint is of exactly the first N windows.
     assert data["windows"] >= OUTER_STEPS * 4 * cfg.data.batch_size
     assert data["fingerprint"] == first_windows_fingerprint(cfg, data["windows"])
-    # Each restart loads the worker checkpoint of the region's last outer step (1 worker loading what 2 wrote:
-    # re-sharded) or, when the group ended between a round and its checkpoint — the preemption's notice leaves
-    # time for a round — starts AdamW anew; which one is an event, and nothing else may follow a resize.
+    # Under the notice the group checkpointed its rounds and waited for the deadline on the last one; the group of 1
+    # worker continued from it, AdamW included (1 worker loading what 2 wrote: re-sharded). Without the notice's
+    # checkpoint (checkpoint_every 0) it would have started AdamW anew.
+    notices = [e for e in summary["events"] if e["event"] == "preemption_notice"]
+    assert notices and all(preempted in e["nodes"] for e in notices), summary["events"]
+    assert notices[-1]["waits_for_deadline"], notices
     first_shrink = summary["events"].index(after_preemption[0])
     after_scale_in = [e for e in summary["events"][first_shrink:] if e["event"].startswith("inner_state_")]
-    assert after_scale_in and {e["event"] for e in after_scale_in} <= {"inner_state_restored", "inner_state_reset"}
+    assert after_scale_in and after_scale_in[0]["event"] == "inner_state_restored", summary["events"]
+    last_notice_checkpoint = checkpoint_name(notices[-1]["outer_step"], token="")  # the name's step part
+    assert last_notice_checkpoint in after_scale_in[0]["checkpoint"], (notices[-1], after_scale_in[0])
     assert not [e for e in summary["events"] if e["event"] == "region_departed"], summary["events"]
 
 

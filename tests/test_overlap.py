@@ -69,25 +69,30 @@ def reference(initial: dict[str, torch.Tensor], outer_steps: int, compression: s
     return handed, theta
 
 
-def drive(actor: SyncActorImpl, outer_steps: int) -> list[tuple[int, dict]]:
-    """A one-worker region: train (the fixed update) from what it was handed, exchange, repeat."""
+def drive(actor: SyncActorImpl, outer_steps: int, notices: frozenset = frozenset()) -> list[tuple[int, dict]]:
+    """A one-worker region: train (the fixed update) from what it was handed, exchange, repeat; under a preemption
+    notice at the exchanges of `notices` (the workers checkpoint those rounds)."""
     async def loop():
         state, out = actor.global_state(), []
         for step in range(outer_steps):
             local = {k: state[k] - u for k, u in inner_update(step, state).items()}
-            reached, rows, _ = await actor.exchange(step, 0, 1, local, tokens=1000)
+            reached, rows, _ = await actor.exchange(step, 0, 1, local, tokens=1000, notice=step in notices)
             state = from_wire(rows)
             out.append((reached, state))
         return out
     return asyncio.run(loop())
 
 
-@pytest.mark.parametrize("outer_steps,every,blocking", [(4, 0, {3}), (5, 2, {1, 3, 4})])
-def test_the_delayed_update_equals_the_hand_written_reference(tmp_path, outer_steps, every, blocking):
+@pytest.mark.parametrize("outer_steps,every,notices,blocking", [
+    (4, 0, frozenset(), {3}),
+    (5, 2, frozenset(), {1, 3, 4}),
+    (5, 0, frozenset({1, 2}), {1, 2, 4}),  # rounds under a preemption notice are checkpointed: they block
+])
+def test_the_delayed_update_equals_the_hand_written_reference(tmp_path, outer_steps, every, notices, blocking):
     actor = SyncActorImpl(config(tmp_path, outer_steps, every), "r0")
     initial = actor.global_state()
     handed, final = reference(initial, outer_steps, actor.config.outer.compression, blocking)
-    got = drive(actor, outer_steps)
+    got = drive(actor, outer_steps, notices)
     assert [reached for reached, _ in got] == list(range(1, outer_steps + 1))
     for step, ((_, state), expected) in enumerate(zip(got, handed)):
         for name in expected:  # bit for bit: the same separately rounded operations

@@ -43,6 +43,7 @@ from ray_diloco.sync.policy import (
     settle_at_end,
     startup_records,
     stops_after_round,
+    trains_through_notice,
 )
 
 R = StateRecord
@@ -196,6 +197,14 @@ def test_checkpoints_every_k_steps_and_where_the_run_stops():
     assert checkpoints_at(5, 0, stopping=True) and checkpoints_at(5, 3, stopping=True)
     # after an abandoned round (not advanced): its step was checkpointed when due; again only where the run stops
     assert not checkpoints_at(3, 3, stopping=False, advanced=False) and checkpoints_at(3, 3, True, advanced=False)
+    # every round while a preemption notice stands, whatever checkpoint_every says
+    assert all(checkpoints_at(step, every, stopping=False, notice=True) for step in range(1, 9) for every in (0, 3))
+
+
+def test_a_group_under_a_preemption_notice_trains_on_only_where_a_window_fits_twice_before_the_deadline():
+    assert trains_through_notice(seconds_left=100.0, round_seconds=30.0)
+    assert not trains_through_notice(seconds_left=50.0, round_seconds=30.0)  # it might be cut off: wait instead
+    assert not trains_through_notice(seconds_left=-5.0, round_seconds=1.0)  # past the deadline, not taken yet
 
 
 @pytest.mark.parametrize("reached, every, stopping, finite, overlaps", [
@@ -210,6 +219,9 @@ def test_a_round_overlaps_unless_it_ends_the_run_is_checkpointed_or_diverged(rea
                                                                              overlaps):
     assert may_overlap(overlap=True, reached=reached, target=5, checkpoint_every=every, stopping=stopping,
                        finite=finite) is overlaps
+    # under a preemption notice the round is checkpointed: it never overlaps
+    assert not may_overlap(overlap=True, reached=reached, target=5, checkpoint_every=every, stopping=stopping,
+                           finite=finite, notice=True)
 
 
 def test_no_round_overlaps_without_outer_overlap():

@@ -315,10 +315,13 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self.stop_requested = True
 
     async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, np.ndarray],
-                       tokens: int, progress: dict | None = None) -> tuple[int, dict[str, np.ndarray], bool]:
+                       tokens: int, progress: dict | None = None,
+                       notice: bool = False) -> tuple[int, dict[str, np.ndarray], bool]:
         """Called by every rank after H inner steps with its shards (`outer_step` counts the region's own rounds;
         shards and rows as `to_wire` arrays); returns the outer step now reached (ahead of the workers' count
-        after a re-sync), the rank's rows, and whether to stop there (the same answer for every rank)."""
+        after a re-sync), the rank's rows, and whether to stop there (the same answer for every rank). `notice`: a
+        preemption notice stands (the same on every rank), so the workers checkpoint this round and it must not
+        overlap (ray_diloco/preemption.py)."""
         if self.group_workers is not None and world_size != self.group_workers:  # a late call of a resized group
             raise RuntimeError(f"[{self.region}] rank {rank} of a group of {world_size} exchanges, but the region's "
                                f"group has {self.group_workers} workers now")
@@ -331,6 +334,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         pending.shards[rank] = from_wire(shards)
         pending.tokens_by_rank[rank] = tokens
         pending.progress_by_rank[rank] = progress
+        pending.notice = pending.notice or notice
         if len(pending.shards) == world_size:
             self._running_round = pending.done
             try:

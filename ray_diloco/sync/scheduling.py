@@ -55,7 +55,7 @@ class RoundScheduling:
         # The region's own pseudo-gradient: from the state its workers started this round from.
         base = self.base if self.base is not None else self.outer.global_state()
         delta = pseudo_gradient(base, local)
-        if not self._overlaps(delta):
+        if not self._overlaps(delta, pending.notice):
             self.base = None
             new_global = await self._blocking_round(workers_step, pending, local, delta)
             self._handed_back = time.perf_counter()
@@ -108,12 +108,13 @@ class RoundScheduling:
                 self._generation += 1
             round_.cancel()
 
-    def _overlaps(self, delta: dict[str, torch.Tensor]) -> bool:
-        """Whether this round may run while the workers train on: `policy.may_overlap`."""
+    def _overlaps(self, delta: dict[str, torch.Tensor], notice: bool) -> bool:
+        """Whether this round may run while the workers train on: `policy.may_overlap` (`notice`: a preemption
+        notice stands, the workers checkpoint this round)."""
         run = self.config.run
         return policy.may_overlap(overlap=self.config.outer.overlap, reached=self.outer.step_count + 1,
                                   target=run.outer_steps, checkpoint_every=run.checkpoint_every,
-                                  stopping=self.stop_requested,
+                                  stopping=self.stop_requested, notice=notice,
                                   finite=not any(count_nonfinite(t) for t in delta.values()))
 
     async def _finish_in_flight(self) -> None:

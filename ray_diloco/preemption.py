@@ -1,0 +1,56 @@
+"""What a region's group does between a cloud's preemption notice (a spot instance reclaimed) and its deadline.
+
+Once a node of the group is drained with reason PREEMPTION, Ray Train tells every worker
+(`ray.train.get_preemption_info`); at the deadline it ends the group and starts one on what is left. That restart is
+not one of `run.max_failures` (Ray Train counts it against `FailureConfig.max_preemption_failures`, unbounded by
+default), so a spot fleet may be reclaimed any number of times.
+
+Without more, the group that follows would continue from θ_global but start AdamW anew unless the region's last
+round happened to be a `run.checkpoint_every` one. So while a notice stands the group checkpoints every round
+(`policy.checkpoints_at(..., notice=True)`), and it starts no window that would not end, with its round and its
+checkpoint, before the deadline (`policy.trains_through_notice`): it waits for the deadline on its checkpoint
+instead. The deadline is a UNIX time set by the cluster's head; the nodes of one Ray cluster are taken to share a
+clock (NTP), which the regions, each its own cluster, never need to.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray.train
+import ray.train.collective
+
+from ray_diloco.sync import policy
+
+# Past its deadline, a node that is still here was not taken (the drain was cancelled): the group trains on.
+NOTICE_GRACE_SECONDS = 60.0
+
+
+def standing_notice():
+    """The group's preemption notice (`ray.train.PreemptionInfo`), None where none stands: the same answer on every
+    rank. A barrier of the group's ranks: each calls it once a round, at the same point."""
+    notice = ray.train.get_preemption_info()
+    if notice is None or notice.deadline_ms is None:
+        return notice
+    return notice if time.time() < notice.deadline_ms / 1000 + NOTICE_GRACE_SECONDS else None
+
+
+def seconds_left(notice) -> float | None:
+    """Seconds to the notice's deadline on this host's clock (None: the notice gave no deadline)."""
+    return None if notice.deadline_ms is None else notice.deadline_ms / 1000 - time.time()
+
+
+def waits_for_deadline(notice, round_seconds: float) -> bool:
+    """After a round checkpointed under `notice`: whether the group waits for the deadline rather than train
+    another window of `round_seconds` (window, round and checkpoint, as the last took) that might not end before
+    it. Rank 0's decision, taken by every rank (a barrier): a rank that trained on while another waited would
+    block the group."""
+    left = seconds_left(notice)
+    return ray.train.collective.broadcast_from_rank_zero(
+        left is not None and not policy.trains_through_notice(left, round_seconds))
+
+
+def sleep_past_deadline(notice) -> None:
+    """Until Ray Train ends the group at the deadline; returns only where the node outlived it by
+    NOTICE_GRACE_SECONDS (the drain was cancelled)."""
+    time.sleep(max(0.0, notice.deadline_ms / 1000 + NOTICE_GRACE_SECONDS - time.time()))
