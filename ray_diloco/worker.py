@@ -152,7 +152,7 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
 def wait_out_notice(sync_actor, notice, region: str, outer_step: int, round_seconds: float, rank: int) -> None:
     """Under a preemption notice, after the round's checkpoint: wait for the deadline where another window might
     not end before it (ray_diloco/preemption.py). Events say what the group did."""
-    waits, left = preemption.waits_for_deadline(notice, round_seconds), preemption.seconds_left(notice)
+    waits, left = preemption.waits_for_deadline(notice, round_seconds), preemption.time_to_deadline(notice)
     if rank == 0:
         sync_actor.record_event.remote("preemption_notice", outer_step=outer_step, nodes=notice.preempted_node_ids,
                                        seconds_left=None if left is None else round(left, 1),

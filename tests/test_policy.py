@@ -43,7 +43,6 @@ from ray_diloco.sync.policy import (
     settle_at_end,
     startup_records,
     stops_after_round,
-    trains_through_notice,
 )
 
 R = StateRecord
@@ -200,11 +199,6 @@ def test_checkpoints_every_k_steps_and_where_the_run_stops():
     # every round while a preemption notice stands, whatever checkpoint_every says
     assert all(checkpoints_at(step, every, stopping=False, notice=True) for step in range(1, 9) for every in (0, 3))
 
-
-def test_a_group_under_a_preemption_notice_trains_on_only_where_a_window_fits_twice_before_the_deadline():
-    assert trains_through_notice(seconds_left=100.0, round_seconds=30.0)
-    assert not trains_through_notice(seconds_left=50.0, round_seconds=30.0)  # it might be cut off: wait instead
-    assert not trains_through_notice(seconds_left=-5.0, round_seconds=1.0)  # past the deadline, not taken yet
 
 
 @pytest.mark.parametrize("reached, every, stopping, finite, overlaps", [

@@ -13,8 +13,7 @@ A region's life, as the SyncActor runs it with these functions:
 4. a round with a non-finite Δ: the region sits it out (OUT) and, with `Resync`, takes `newer_state`, or stops.
 Around each round: `round_arrival` (where the others' deadline counts from), `may_overlap` (whether it runs while
 the workers train on), `published_group` (the vote its new state carries), `checkpoints_at` (whether the workers
-and the SyncActor checkpoint it), `trains_through_notice` (whether a group under a preemption notice trains another
-window), and `overdue_round` for a blocking round still running at its `round_bound` (a
+and the SyncActor checkpoint it), and `overdue_round` for a blocking round still running at its `round_bound` (a
 hung DHT call: finish it in the background, abandon it, or fail the workers), and `overdue_in_flight` for a
 round still running when the next one has waited that bound for it (abandon it, or fail). Every load is bounded by
 `download_seconds` (the state's size at the slowest allowed link). The SyncActor and the simulator
@@ -361,15 +360,6 @@ def checkpoints_at(reached: int, every: int, stopping: bool, advanced: bool = Tr
     (`advanced`: an abandoned round's step was checkpointed when it was due). The workers and the SyncActor both
     ask here."""
     return stopping or notice or bool(advanced and every and reached % every == 0)
-
-
-def trains_through_notice(seconds_left: float, round_seconds: float) -> bool:
-    """Whether a group under a preemption notice starts another window, `seconds_left` before the deadline: only
-    where a window with its round and checkpoint (`round_seconds`, as long as the last one took) fits twice over.
-    Otherwise the workers wait for the deadline on the checkpoint they just committed. Cut off at the deadline, a
-    window is lost, and its round (which the SyncActor ends without the workers) would move θ_global past that
-    checkpoint: the group started in its place would then begin AdamW anew."""
-    return seconds_left > 2 * round_seconds
 
 
 def stops_after_round(asked: bool, members: list, own_driver: frozenset[str], asked_since: bool = False) -> bool:
