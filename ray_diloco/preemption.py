@@ -20,17 +20,15 @@ import time
 import ray.train
 import ray.train.collective
 
-# Past its deadline, a node that is still here was not taken (the drain was cancelled): the group trains on.
+# Ray Train ends the group at the deadline; should it not, a bounded wait lets the group train on after it.
 NOTICE_GRACE_SECONDS = 60.0
 
 
 def standing_notice():
-    """The group's preemption notice (`ray.train.PreemptionInfo`), None where none stands: the same answer on every
-    rank. A barrier of the group's ranks: each calls it once a round, at the same point."""
-    notice = ray.train.get_preemption_info()
-    if notice is None or notice.deadline_ms is None:
-        return notice
-    return notice if time.time() < notice.deadline_ms / 1000 + NOTICE_GRACE_SECONDS else None
+    """The group's preemption notice (`ray.train.PreemptionInfo`), None where none stands: rank 0's, broadcast, so
+    the same answer on every rank (no rank decides on its own clock). Ray Train never withdraws a notice. A barrier
+    of the group's ranks: each calls it once a round, at the same point."""
+    return ray.train.get_preemption_info()
 
 
 def time_to_deadline(notice) -> float | None:
@@ -58,6 +56,6 @@ def waits_for_deadline(notice, round_seconds: float) -> bool:
 
 
 def sleep_past_deadline(notice) -> None:
-    """Until Ray Train ends the group at the deadline; returns only where the node outlived it by
-    NOTICE_GRACE_SECONDS (the drain was cancelled)."""
+    """Until Ray Train ends the group at the deadline; returns only where the group outlived it by
+    NOTICE_GRACE_SECONDS (the next rounds then find the deadline passed and train on, checkpointing each)."""
     time.sleep(max(0.0, notice.deadline_ms / 1000 + NOTICE_GRACE_SECONDS - time.time()))

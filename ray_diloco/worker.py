@@ -162,8 +162,6 @@ def wait_out_notice(sync_actor, notice, region: str, outer_step: int, round_seco
                f"{'waiting for it' if waits else 'training on'}")
     if waits:
         preemption.sleep_past_deadline(notice)
-        if rank == 0:  # the node outlived its deadline: the drain was cancelled
-            sync_actor.record_event.remote("preemption_not_taken", outer_step=outer_step)
 
 
 def run_actors(loop_config: dict[str, Any]) -> tuple[Any, Any, Any]:
