@@ -22,18 +22,44 @@ import ray.train.collective
 
 # Ray Train ends the group at the deadline; should it not, a bounded wait lets the group train on after it.
 NOTICE_GRACE_SECONDS = 60.0
+# Where a drain gave no deadline, Ray Train ends the group this long after it detected the preemption
+# (ray.train.v2 `DEFAULT_PREEMPTION_DEADLINE_S`; tests/test_preemption.py checks the two agree).
+UNSTATED_DEADLINE_SECONDS = 120.0
 
 
-def standing_notice():
-    """The group's preemption notice (`ray.train.PreemptionInfo`), None where none stands: rank 0's, broadcast, so
-    the same answer on every rank (no rank decides on its own clock). Ray Train never withdraws a notice. A barrier
-    of the group's ranks: each calls it once a round, at the same point."""
-    return ray.train.get_preemption_info()
+def deadline_of(notice, unseen_at: float) -> float:
+    """When Ray Train ends the group under `notice` (UNIX seconds): the drain's deadline, or where it gave none,
+    UNSTATED_DEADLINE_SECONDS after Ray Train detected the preemption. The workers do not learn when that was,
+    only that it was after `unseen_at`, the last time they asked and no notice stood; counting from there errs
+    early, never late (late, a window thought to fit could be cut off)."""
+    if notice.deadline_ms is not None:
+        return notice.deadline_ms / 1000
+    return unseen_at + UNSTATED_DEADLINE_SECONDS
 
 
-def time_to_deadline(notice) -> float | None:
-    """Seconds to the notice's deadline on this host's clock (None: the notice gave no deadline)."""
-    return None if notice.deadline_ms is None else notice.deadline_ms / 1000 - time.time()
+class NoticeWatch:
+    """The group's preemption notice as its workers see it, asked once a round on every rank (`check`).
+
+    The answer is rank 0's, broadcast by Ray Train, so the same on every rank (no rank decides on its own clock),
+    and Ray Train never withdraws a notice (it may widen one: more nodes, an earlier deadline)."""
+
+    def __init__(self) -> None:
+        self.notice = None
+        self.unseen_at = time.time()  # the group started with no notice standing (a restart has a fresh one)
+
+    def check(self) -> tuple[object | None, bool]:
+        """The notice standing now (None: none), and whether this is the first check to see one. A barrier of the
+        group's ranks: each calls it once a round, at the same point."""
+        notice = ray.train.get_preemption_info()
+        first_seen = notice is not None and self.notice is None
+        if notice is None:
+            self.unseen_at = time.time()
+        self.notice = notice
+        return notice, first_seen
+
+    def deadline(self) -> float:
+        """When Ray Train ends the group (UNIX seconds); only while a notice stands."""
+        return deadline_of(self.notice, self.unseen_at)
 
 
 def trains_through_notice(seconds_left: float, round_seconds: float) -> bool:
@@ -45,17 +71,16 @@ def trains_through_notice(seconds_left: float, round_seconds: float) -> bool:
     return seconds_left > 2 * round_seconds
 
 
-def waits_for_deadline(notice, round_seconds: float) -> bool:
-    """After a round checkpointed under `notice`: whether the group waits for the deadline rather than train
+def waits_for_deadline(deadline: float, round_seconds: float) -> bool:
+    """After a round checkpointed under a notice: whether the group waits for `deadline` rather than train
     another window of `round_seconds` (window, round and checkpoint, as the last took) that might not end before
     it. Rank 0's decision, taken by every rank (a barrier): a rank that trained on while another waited would
     block the group."""
-    left = time_to_deadline(notice)
     return ray.train.collective.broadcast_from_rank_zero(
-        left is not None and not trains_through_notice(left, round_seconds))
+        not trains_through_notice(deadline - time.time(), round_seconds))
 
 
-def sleep_past_deadline(notice) -> None:
-    """Until Ray Train ends the group at the deadline; returns only where the group outlived it by
+def sleep_past_deadline(deadline: float) -> None:
+    """Until Ray Train ends the group at `deadline`; returns only where the group outlived it by
     NOTICE_GRACE_SECONDS (the next rounds then find the deadline passed and train on, checkpointing each)."""
-    time.sleep(max(0.0, notice.deadline_ms / 1000 + NOTICE_GRACE_SECONDS - time.time()))
+    time.sleep(max(0.0, deadline + NOTICE_GRACE_SECONDS - time.time()))

@@ -149,19 +149,32 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
         ray.get(sync_actor.commit_checkpoint.remote(outer_step, location))
 
 
-def wait_out_notice(sync_actor, notice, region: str, outer_step: int, round_seconds: float, rank: int) -> None:
+def note_notice(sync_actor, watch: preemption.NoticeWatch, region: str, rank: int) -> None:
+    """Rank 0, where the workers first see a preemption notice: an event and a status line, whether or not a
+    round then ends before the deadline (where none does, the group that follows starts AdamW anew)."""
+    if rank == 0:
+        left = watch.deadline() - time.time()
+        sync_actor.record_event.remote("preemption_noticed", nodes=watch.notice.preempted_node_ids,
+                                       ranks=watch.notice.preempted_ranks, seconds_left=round(left, 1),
+                                       deadline_stated=watch.notice.deadline_ms is not None)
+        status(f"[{region}] preemption notice: node(s) {', '.join(watch.notice.preempted_node_ids)} go in "
+               f"about {left:.0f}s; every round is checkpointed until then")
+
+
+def wait_out_notice(sync_actor, watch: preemption.NoticeWatch, region: str, outer_step: int, round_seconds: float,
+                    rank: int) -> None:
     """Under a preemption notice, after the round's checkpoint: wait for the deadline where another window might
     not end before it (ray_diloco/preemption.py). Events say what the group did."""
-    waits, left = preemption.waits_for_deadline(notice, round_seconds), preemption.time_to_deadline(notice)
+    deadline = watch.deadline()
+    waits, left = preemption.waits_for_deadline(deadline, round_seconds), deadline - time.time()
     if rank == 0:
-        sync_actor.record_event.remote("preemption_notice", outer_step=outer_step, nodes=notice.preempted_node_ids,
-                                       seconds_left=None if left is None else round(left, 1),
+        sync_actor.record_event.remote("preemption_notice", outer_step=outer_step,
+                                       nodes=watch.notice.preempted_node_ids, seconds_left=round(left, 1),
                                        round_seconds=round(round_seconds, 1), waits_for_deadline=waits)
-        status(f"[{region}] outer step {outer_step} checkpointed under a preemption notice "
-               f"({'no deadline' if left is None else f'{left:.0f}s to the deadline'}): "
-               f"{'waiting for it' if waits else 'training on'}")
+        status(f"[{region}] outer step {outer_step} checkpointed under a preemption notice ({left:.0f}s to the "
+               f"deadline): {'waiting for it' if waits else 'training on'}")
     if waits:
-        preemption.sleep_past_deadline(notice)
+        preemption.sleep_past_deadline(deadline)
 
 
 def run_actors(loop_config: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -181,6 +194,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     new θ_global. ddp / single (no SyncActor): the same loop with no outer step; the group's gradient
     reduce-scatter every step is the data-parallel baseline. Rank 0 returns the counters (and, without a
     SyncActor, the final full model)."""
+    notice_watch = preemption.NoticeWatch()  # first: a notice that comes while the group starts counts from here
     cfg = ExperimentConfig.from_dict(loop_config["experiment"])
     region: str = loop_config["region"]
     sync_actor, evaluator, stream = run_actors(loop_config)
@@ -248,7 +262,9 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
                 sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
             test_slowdown(region, outer_step)
-            notice = preemption.standing_notice()  # once a round, on every rank: a node of the group goes soon
+            notice, first_seen = notice_watch.check()  # once a round, on every rank: a node of the group goes soon
+            if first_seen:
+                note_notice(sync_actor, notice_watch, region, rank)
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
                 outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress(),
@@ -281,7 +297,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 stopped = True
                 break
             if notice is not None and outer_step < cfg.run.outer_steps:
-                wait_out_notice(sync_actor, notice, region, outer_step, time.perf_counter() - window_started, rank)
+                wait_out_notice(sync_actor, notice_watch, region, outer_step, time.perf_counter() - window_started,
+                                rank)
         else:
             outer_step += 1
             if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:

@@ -198,6 +198,9 @@ def test_checkpoints_every_k_steps_and_where_the_run_stops():
     assert not checkpoints_at(3, 3, stopping=False, advanced=False) and checkpoints_at(3, 3, True, advanced=False)
     # every round while a preemption notice stands, whatever checkpoint_every says
     assert all(checkpoints_at(step, every, stopping=False, notice=True) for step in range(1, 9) for every in (0, 3))
+    # ... an abandoned round's too: the notice's checkpoint is what the group restarted after the deadline loads
+    assert checkpoints_at(3, 3, stopping=False, advanced=False, notice=True)
+    assert checkpoints_at(4, 0, stopping=False, advanced=False, notice=True)
 
 
 

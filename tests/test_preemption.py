@@ -1,7 +1,21 @@
 """What a group does under a preemption notice (ray_diloco/preemption.py): the rule that decides whether it trains
-another window before the deadline. tests/test_elastic.py runs the whole path on a real drained node."""
+another window before the deadline, the deadline where the drain stated none, and how the workers see the notice
+(Ray Train's calls replaced here by their documented behaviour). tests/test_elastic.py runs the whole path on a
+real drained node."""
 
-from ray_diloco.preemption import trains_through_notice
+import pytest
+import ray.train
+import ray.train.collective
+from ray.train.v2.api.preemption import PreemptionInfo
+
+from ray_diloco import preemption
+from ray_diloco.preemption import NoticeWatch, deadline_of, trains_through_notice
+
+NODE = "a" * 56  # a node id as Ray writes them
+
+
+def notice(deadline_ms=None):
+    return PreemptionInfo(deadline_ms=deadline_ms, preempted_node_to_ranks={NODE: [1]})
 
 
 def test_a_group_under_a_preemption_notice_trains_on_only_where_a_window_fits_twice_before_the_deadline():
@@ -9,3 +23,52 @@ def test_a_group_under_a_preemption_notice_trains_on_only_where_a_window_fits_tw
     assert not trains_through_notice(seconds_left=50.0, round_seconds=30.0)  # it might be cut off: wait instead
     assert not trains_through_notice(seconds_left=60.0, round_seconds=30.0)  # exactly twice: no margin left
     assert not trains_through_notice(seconds_left=-5.0, round_seconds=1.0)  # past the deadline, not taken yet
+
+
+def test_the_deadline_is_the_drains_or_ray_trains_fallback_counted_from_the_last_check_without_a_notice():
+    assert deadline_of(notice(deadline_ms=1_700_000_030_500), unseen_at=1_699_999_999.0) == 1_700_000_030.5
+    assert deadline_of(notice(), unseen_at=1_000.0) == 1_000.0 + 120.0
+    # The fallback is Ray Train's own: its controller ends the group that long after it detected the preemption.
+    from ray.train.v2._internal.constants import DEFAULT_PREEMPTION_DEADLINE_S
+    assert preemption.UNSTATED_DEADLINE_SECONDS == DEFAULT_PREEMPTION_DEADLINE_S
+
+
+def test_the_watch_sees_a_notice_first_once_and_dates_an_unstated_deadline_from_the_last_check_without_one(
+        monkeypatch):
+    clock = iter([100.0, 110.0, 120.0, 130.0, 140.0]).__next__
+    monkeypatch.setattr(preemption.time, "time", clock)
+    answers = iter([None, None, notice(), notice()])  # Ray Train never withdraws a notice
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: next(answers))
+    watch = NoticeWatch()  # at 100
+    assert watch.check() == (None, False)  # at 110: none stands
+    assert watch.check() == (None, False)  # at 120
+    standing, first_seen = watch.check()  # no clock read: the notice came after the check at 120
+    assert standing == notice() and first_seen
+    assert watch.deadline() == 120.0 + 120.0
+    assert watch.check() == (notice(), False)  # still standing: not seen first again, the deadline unchanged
+    assert watch.deadline() == 240.0
+
+
+@pytest.mark.parametrize("rank_zero_waits", [True, False])
+def test_every_rank_takes_rank_zeros_decision_to_wait(monkeypatch, rank_zero_waits):
+    monkeypatch.setattr(preemption.time, "time", lambda: 1_000.0)
+    offered = []
+
+    def broadcast_from_rank_zero(value):  # on a rank other than 0: its own value is ignored, rank 0's returned
+        offered.append(value)
+        return rank_zero_waits
+
+    monkeypatch.setattr(ray.train.collective, "broadcast_from_rank_zero", broadcast_from_rank_zero)
+    # 100 s left, rounds of 10 s: this rank alone would train on; it does what rank 0 decided.
+    assert preemption.waits_for_deadline(deadline=1_100.0, round_seconds=10.0) is rank_zero_waits
+    assert preemption.waits_for_deadline(deadline=1_015.0, round_seconds=10.0) is rank_zero_waits
+    assert offered == [False, True]  # what this rank would have decided: train on; wait (15 s < 2 rounds)
+
+
+def test_the_wait_ends_a_grace_past_the_deadline_where_ray_train_has_not_ended_the_group(monkeypatch):
+    slept = []
+    monkeypatch.setattr(preemption.time, "time", lambda: 1_000.0)
+    monkeypatch.setattr(preemption.time, "sleep", slept.append)
+    preemption.sleep_past_deadline(1_030.0)
+    preemption.sleep_past_deadline(900.0)  # long past (grace included): no wait
+    assert slept == [30.0 + preemption.NOTICE_GRACE_SECONDS, 0.0]

@@ -357,8 +357,9 @@ def checkpoints_at(reached: int, every: int, stopping: bool, advanced: bool = Tr
     `every` steps, wherever the run stops (started again, it continues from there), and every round while a
     preemption notice stands (`notice`: the group Ray Train starts after the deadline continues from the last
     round, AdamW included; see ray_diloco/preemption.py). Not again after a round that did not advance
-    (`advanced`: an abandoned round's step was checkpointed when it was due). The workers and the SyncActor both
-    ask here."""
+    (`advanced`: an abandoned round's step was checkpointed when it was due), except where the run stops or a
+    notice stands: the newer AdamW state is what the group that follows should continue from. The workers and the
+    SyncActor both ask here."""
     return stopping or notice or bool(advanced and every and reached % every == 0)
 
 
