@@ -1,6 +1,7 @@
 """What a region's group does between a cloud's preemption notice (a spot instance reclaimed) and its deadline.
 
-Once a node of the group is drained with reason PREEMPTION, Ray Train tells every worker
+Once a node of the group is drained (with reason PREEMPTION on a cloud; Ray Train acts on any drain), Ray Train
+tells every worker
 (`ray.train.get_preemption_info`); at the deadline it ends the group and starts one on what is left. That restart is
 not one of `run.max_failures` (Ray Train counts it against `FailureConfig.max_preemption_failures`, unbounded by
 default), so a spot fleet may be reclaimed any number of times.
@@ -22,6 +23,9 @@ import ray.train.collective
 
 # Ray Train ends the group at the deadline; should it not, a bounded wait lets the group train on after it.
 NOTICE_GRACE_SECONDS = 60.0
+# Ray Train starts its preemption watcher just before the workers' train function: a notice may be detected
+# before the function's first look, so the group's start counts as a look this much earlier (a watcher's poll).
+WATCHER_LEAD_SECONDS = 5.0
 # Where a drain gave no deadline, Ray Train ends the group this long after it detected the preemption
 # (ray.train.v2 `DEFAULT_PREEMPTION_DEADLINE_S`; tests/test_preemption.py checks the two agree).
 UNSTATED_DEADLINE_SECONDS = 120.0
@@ -45,15 +49,17 @@ class NoticeWatch:
 
     def __init__(self) -> None:
         self.notice = None
-        self.unseen_at = time.time()  # the group started with no notice standing (a restart has a fresh one)
+        self.unseen_at = time.time() - WATCHER_LEAD_SECONDS  # the group's start (a restart has a fresh watch)
 
     def check(self) -> tuple[object | None, bool]:
         """The notice standing now (None: none), and whether this is the first check to see one. A barrier of the
         group's ranks: each calls it once a round, at the same point."""
+        # Before asking: rank 0's answer is read before the barrier, so one that came after it would be dated late.
+        asked_at = time.time()
         notice = ray.train.get_preemption_info()
         first_seen = notice is not None and self.notice is None
         if notice is None:
-            self.unseen_at = time.time()
+            self.unseen_at = asked_at
         self.notice = notice
         return notice, first_seen
 

@@ -149,16 +149,19 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
         ray.get(sync_actor.commit_checkpoint.remote(outer_step, location))
 
 
-def note_notice(sync_actor, watch: preemption.NoticeWatch, region: str, rank: int) -> None:
-    """Rank 0, where the workers first see a preemption notice: an event and a status line, whether or not a
-    round then ends before the deadline (where none does, the group that follows starts AdamW anew)."""
-    if rank == 0:
+def look_for_notice(sync_actor, watch: preemption.NoticeWatch, region: str, rank: int) -> bool:
+    """Whether a preemption notice stands: every rank asks, once a round at the same point (a barrier). Where the
+    workers first see one, rank 0 records it (event and status line), whether or not a round then ends before the
+    deadline (where none does, the group that follows starts AdamW anew)."""
+    notice, first_seen = watch.check()
+    if first_seen and rank == 0:
         left = watch.deadline() - time.time()
-        sync_actor.record_event.remote("preemption_noticed", nodes=watch.notice.preempted_node_ids,
-                                       ranks=watch.notice.preempted_ranks, seconds_left=round(left, 1),
-                                       deadline_stated=watch.notice.deadline_ms is not None)
-        status(f"[{region}] preemption notice: node(s) {', '.join(watch.notice.preempted_node_ids)} go in "
+        sync_actor.record_event.remote("preemption_noticed", nodes=notice.preempted_node_ids,
+                                       ranks=notice.preempted_ranks, seconds_left=round(left, 1),
+                                       deadline_stated=notice.deadline_ms is not None)
+        status(f"[{region}] preemption notice: node(s) {', '.join(notice.preempted_node_ids)} go in "
                f"about {left:.0f}s; every round is checkpointed until then")
+    return notice is not None
 
 
 def wait_out_notice(sync_actor, watch: preemption.NoticeWatch, region: str, outer_step: int, round_seconds: float,
@@ -262,13 +265,13 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
                 sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
             test_slowdown(region, outer_step)
-            notice, first_seen = notice_watch.check()  # once a round, on every rank: a node of the group goes soon
-            if first_seen:
-                note_notice(sync_actor, notice_watch, region, rank)
+            # A preemption notice (a node of the group goes soon), looked for once a round: before the exchange
+            # where rounds may overlap (one under a notice must not: it is checkpointed), else after it, the
+            # latest news, where the round that just ended can still be checkpointed.
+            notice = cfg.outer.overlap and look_for_notice(sync_actor, notice_watch, region, rank)
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
-                outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress(),
-                notice is not None))
+                outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress(), notice))
             load_rows(model, rows)
             if reset_nonfinite_state(inner_step.optimizer):  # this rank's moments went NaN: start them anew
                 sync_actor.record_event.remote("inner_state_reset_nonfinite", rank=rank)
@@ -283,9 +286,11 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 peers = str(last_round.get("group_size", peers))
                 status(sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round, advanced))
             outer_step = reached
+            if not cfg.outer.overlap:
+                notice = look_for_notice(sync_actor, notice_watch, region, rank)
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
-            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop, advanced, notice is not None):
+            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop, advanced, notice):
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)
@@ -296,7 +301,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             if stop:  # the run was asked to stop; started again under its name, it goes on from here
                 stopped = True
                 break
-            if notice is not None and outer_step < cfg.run.outer_steps:
+            if notice and outer_step < cfg.run.outer_steps:
                 wait_out_notice(sync_actor, notice_watch, region, outer_step, time.perf_counter() - window_started,
                                 rank)
         else:

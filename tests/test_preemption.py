@@ -35,18 +35,33 @@ def test_the_deadline_is_the_drains_or_ray_trains_fallback_counted_from_the_last
 
 def test_the_watch_sees_a_notice_first_once_and_dates_an_unstated_deadline_from_the_last_check_without_one(
         monkeypatch):
-    clock = iter([100.0, 110.0, 120.0, 130.0, 140.0]).__next__
-    monkeypatch.setattr(preemption.time, "time", clock)
+    now = [100.0]
+    monkeypatch.setattr(preemption.time, "time", lambda: now[0])
     answers = iter([None, None, notice(), notice()])  # Ray Train never withdraws a notice
-    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: next(answers))
-    watch = NoticeWatch()  # at 100
-    assert watch.check() == (None, False)  # at 110: none stands
-    assert watch.check() == (None, False)  # at 120
-    standing, first_seen = watch.check()  # no clock read: the notice came after the check at 120
+
+    def get_preemption_info():  # a barrier: the answer comes 3 s after the call
+        now[0] += 3.0
+        return next(answers)
+
+    monkeypatch.setattr(ray.train, "get_preemption_info", get_preemption_info)
+    watch = NoticeWatch()  # the group starts at 100: dated a watcher's poll earlier
+    assert watch.check() == (None, False)  # asked at 100, answered at 103: none stands
+    now[0] = 110.0
+    assert watch.check() == (None, False)  # asked at 110 (not 113: the notice may have come during the barrier)
+    now[0] = 120.0
+    standing, first_seen = watch.check()
     assert standing == notice() and first_seen
-    assert watch.deadline() == 120.0 + 120.0
+    assert watch.deadline() == 110.0 + 120.0  # Ray Train detected it after the last look without one
     assert watch.check() == (notice(), False)  # still standing: not seen first again, the deadline unchanged
-    assert watch.deadline() == 240.0
+    assert watch.deadline() == 230.0
+
+
+def test_a_notice_at_the_groups_first_look_is_dated_from_before_the_group_started(monkeypatch):
+    monkeypatch.setattr(preemption.time, "time", lambda: 1_000.0)
+    monkeypatch.setattr(ray.train, "get_preemption_info", notice)  # detected while the group started
+    watch = NoticeWatch()
+    assert watch.check() == (notice(), True)
+    assert watch.deadline() == 1_000.0 - preemption.WATCHER_LEAD_SECONDS + 120.0
 
 
 @pytest.mark.parametrize("rank_zero_waits", [True, False])

@@ -321,7 +321,8 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         shards and rows as `to_wire` arrays); returns the outer step now reached (ahead of the workers' count
         after a re-sync), the rank's rows, and whether to stop there (the same answer for every rank). `notice`: a
         preemption notice stands (the same on every rank), so the workers checkpoint this round and it must not
-        overlap (ray_diloco/preemption.py)."""
+        overlap (ray_diloco/preemption.py); told only where outer.overlap is on, else the workers look for a notice
+        after the round."""
         if self.group_workers is not None and world_size != self.group_workers:  # a late call of a resized group
             raise RuntimeError(f"[{self.region}] rank {rank} of a group of {world_size} exchanges, but the region's "
                                f"group has {self.group_workers} workers now")
