@@ -18,7 +18,7 @@ the same data, seed and inner AdamW, and the same number of inner steps (so the 
 Arms run in the order above, headline arms first, so a grid stopped early still compares the methods. It resumes:
 an arm with a summary.json of a run to its end is done and read back; an arm that was interrupted or stopped
 (Ctrl-C: the arm's CLI stops at its next outer step, and a second Ctrl-C forces it) continues from its last
-checkpoint (`--resume`; its summary then counts the wall time of the last invocation only); an arm begun with
+checkpoint (`--resume`; the table's wall time adds up its invocations, `<arm>.seconds`); an arm begun with
 other settings than this invocation's (its config.yaml says) is refused, and another --output-dir is the fix;
 only `--arms` (glob patterns) are run. After every arm it rewrites `convergence.json`,
 `convergence.md` (held-out loss, bytes sent per round, bits per parameter per round, × DDP bytes, wall time) and
@@ -185,8 +185,16 @@ def run_arm(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> dict | None:
     resume = bool(steps) and all(steps)  # else it starts again (a region without a checkpoint cannot continue)
     log = arms_dir / f"{arm.label}.log"
     print(f"[convergence] {arm.label}: {'continuing' if resume else 'starting'} ({log})", flush=True)
-    with log.open("a") as handle:
-        code = run_to_its_end(command(arm, args, arms_dir, resume), handle)
+    seconds = arms_dir / f"{arm.label}.seconds"  # each invocation's wall time, a line each (summary.json: the last's)
+    if not resume:
+        seconds.unlink(missing_ok=True)  # started again: the earlier invocations' time trained nothing kept
+    started = time.perf_counter()
+    try:
+        with log.open("a") as handle:
+            code = run_to_its_end(command(arm, args, arms_dir, resume), handle)
+    finally:  # a stopped invocation's time counts too: the next continues from its checkpoints
+        with seconds.open("a") as handle:
+            handle.write(f"{time.perf_counter() - started:.1f}\n")
     done = finished_summary(arm, args, arms_dir)
     if code != 0 or done is None:
         print(f"[convergence] {arm.label} failed or stopped (exit {code}); see {log}", file=sys.stderr, flush=True)
@@ -262,7 +270,15 @@ def settings_differ(arm: Arm, args: argparse.Namespace, arms_dir: Path) -> str:
                      if saved_values[name] != value)
 
 
-def row_of(arm: Arm, summary: dict, ddp_per_round: float | None) -> dict:
+def wall_seconds(arm: Arm, summary: dict, arms_dir: Path) -> float:
+    """The arm's wall time: its invocations' (`<arm>.seconds`, written by run_arm), else its summary's (an arm run
+    before that file, or read back from a directory without it)."""
+    seconds = arms_dir / f"{arm.label}.seconds"
+    recorded = [float(line) for line in seconds.read_text().split()] if seconds.exists() else []
+    return sum(recorded) if recorded else summary["wall_seconds"]
+
+
+def row_of(arm: Arm, summary: dict, ddp_per_round: float | None, wall: float) -> dict:
     rounds = [r for per_region in summary.get("rounds", {}).values() for r in per_region if r["group_size"] > 1]
     per_round = sum(r["bytes_sent"] for r in rounds) / len(rounds) if rounds else 0.0
     if arm.mode == "ddp":  # per worker, per H steps: what DDP sends in the time DiLoCo sends once
@@ -277,7 +293,7 @@ def row_of(arm: Arm, summary: dict, ddp_per_round: float | None) -> dict:
             "bits_per_parameter": (sum(known) / len(known) if known
                                    else 8 * per_round / summary["parameters"]),
             "times_ddp_bytes": per_round / ddp_per_round if ddp_per_round and arm.mode != "single" else None,
-            "wall_seconds": summary["wall_seconds"], "regions_agree": summary.get("regions_agree"),
+            "wall_seconds": wall, "regions_agree": summary.get("regions_agree"),
             "curve": curve_of(summary), "total_bytes": sum(summary["comm_bytes_sent"].values())}
 
 
@@ -385,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         ddp = summaries.get("ddp")
         ddp_per_round = (sum(ddp["comm_bytes_sent"].values()) / len(ddp["comm_bytes_sent"]) / ddp["outer_steps"]
                          if ddp else None)
-        rows = [row_of(a, summaries[a.label], ddp_per_round) for a in every if a.label in summaries]
+        rows = [row_of(a, summaries[a.label], ddp_per_round, wall_seconds(a, summaries[a.label], arms_dir))
+                for a in every if a.label in summaries]
         write_results(rows, settings, out, args.write_docs)
     print(f"[convergence] {len(arms) - len(failed)} of {len(arms)} arms in {time.perf_counter() - started:.0f} s; "
           f"{out / 'convergence.md'}", flush=True)

@@ -147,6 +147,33 @@ def test_a_begun_arm_is_refused_with_other_settings_and_a_stopped_one_is_continu
     assert command[-1] == "--resume" and command[command.index("--run-name") + 1] == "sparseloco-1pct-h2"
 
 
+def test_a_continued_arms_wall_time_adds_up_its_invocations_and_one_started_again_counts_anew(tmp_path, monkeypatch):
+    """summary.json holds the last invocation's wall time only; the table's is every invocation's since the arm
+    (last) started from scratch."""
+    import torch
+
+    from ray_diloco.checkpoint import CheckpointStore, OuterCheckpoint
+
+    convergence = load_convergence()
+    args = convergence.build_parser().parse_args(["--steps", "8", "--h", "2", "--workers", "2", "--seeds", "0"])
+    arms = {a.label: a for a in convergence.grid(2, [2], [0])}
+    arms_dir = tmp_path / "arms"
+    continued, fresh = arms["sparseloco-1pct-h2"], arms["dct-k2-h2"]
+    write_finished_arm(convergence, arms_dir, continued, args, {"eval_loss": 7.0, "stopped": True})
+    for region in ("region-a", "region-b"):
+        CheckpointStore(str(arms_dir / continued.label / "checkpoints" / region)).save(
+            OuterCheckpoint(outer_step=1, theta={"w": torch.zeros(2)}, momentum={"w": torch.zeros(2)}))
+    for arm in (continued, fresh):  # an earlier invocation of each took 100 s
+        (arms_dir / f"{arm.label}.seconds").write_text("100.0\n")
+    monkeypatch.setattr(convergence, "run_to_its_end", lambda cmd, log: 1)
+    convergence.run_arm(continued, args, arms_dir)
+    convergence.run_arm(fresh, args, arms_dir)  # no checkpoint: it starts again, the 100 s trained nothing kept
+    summary = {"wall_seconds": 1.0}  # the last invocation's, as summary.json has it
+    assert 100.0 <= convergence.wall_seconds(continued, summary, arms_dir) < 110.0
+    assert convergence.wall_seconds(fresh, summary, arms_dir) < 10.0
+    assert convergence.wall_seconds(arms["ddp"], summary, arms_dir) == 1.0  # run before the file: the summary's
+
+
 def test_the_first_ctrl_c_lets_the_arm_stop_at_its_boundary(tmp_path):
     """Ctrl-C signals the whole process group: the grid and the arm's CLI. The grid waits for the CLI to end at its
     next outer step (a plain subprocess.call killed it after 0.25 s, losing everything since its checkpoint)."""
