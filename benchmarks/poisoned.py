@@ -9,9 +9,9 @@ authentication cannot keep it out.
     python benchmarks/poisoned.py --steps 200 --h 20 --output-dir runs/poisoned
 
 Arms: clean-mean, poisoned-clipped, poisoned-mean, clean-clipped (what clipping costs without an attacker),
-flipped-clipped (Δ × -1: the sign-flip the clipping does not catch); `--arms` runs some of them. Finished arms are read back (resumable);
-writes poisoned.json and poisoned.md. "clipped events" counts `contribution_clipped` events: one per region
-per round in which that region saw a contribution clipped.
+flipped-clipped (Δ × -1: the sign-flip the clipping does not catch); `--arms` runs some of them. Finished arms of
+the same --steps, --h and factor are read back (resumable); writes poisoned.json and poisoned.md. "clipped events"
+counts `contribution_clipped` events: one per region per round in which that region saw a contribution clipped.
 """
 
 from __future__ import annotations
@@ -43,17 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def factor_file(label: str, args: argparse.Namespace) -> Path:
+    """Where an arm's factor is kept (the run's summary cannot say: the factor reaches only the SyncActor)."""
+    return args.output_dir / f"{label}.factor.json"
+
+
 def run_arm(label: str, aggregation: str, factor: float | None, args: argparse.Namespace) -> dict | None:
-    """The arm's summary: read back if it ran to its end with this --steps and --h (its summary says; the
-    factor it does not), else run. A stopped or other run there is refused, not reported as this arm."""
+    """The arm's summary: read back if it ran to its end with this --steps and --h (its summary says) and this
+    factor (`factor_file`), else run. A stopped or other run there is refused, not reported as this arm."""
     summary = args.output_dir / label / "summary.json"
     if summary.exists():
         done = json.loads(summary.read_text())
         ran = (done.get("inner_steps"), done.get("outer_steps"), bool(done.get("stopped")))
-        if ran == (args.h, args.steps // args.h, False):
+        recorded = factor_file(label, args)
+        ran_factor = json.loads(recorded.read_text()).get("factor", "unknown") if recorded.exists() else "unknown"
+        if ran == (args.h, args.steps // args.h, False) and ran_factor == factor:
             return done
         print(f"[poisoned] {label}: {summary.parent} holds a run of H={ran[0]}, {ran[1]} outer steps"
-              f"{', stopped part-way' if ran[2] else ''}: give another --output-dir", file=sys.stderr, flush=True)
+              f"{', stopped part-way' if ran[2] else ''}, {POISONED_REGION}'s Δ × {ran_factor}"
+              f"{'' if ran_factor == factor else f' (not {factor})'}: give another --output-dir",
+              file=sys.stderr, flush=True)
         return None
     from ray_diloco.sync.rounds import POISON_ENV_VAR  # here: torch loads only once an arm runs
 
@@ -64,6 +73,7 @@ def run_arm(label: str, aggregation: str, factor: float | None, args: argparse.N
                "--inner-steps", str(args.h), "--outer-steps", str(args.steps // args.h), "--aggregation",
                aggregation, "--run-name", label, "--output-dir", str(args.output_dir), "--eval-every", "0"]
     log = args.output_dir / f"{label}.log"
+    factor_file(label, args).write_text(json.dumps({"factor": factor}))
     print(f"[poisoned] {label}: starting ({log})", flush=True)
     with log.open("w") as handle:
         code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT, env=env)

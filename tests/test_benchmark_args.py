@@ -56,8 +56,8 @@ def test_the_wan_benchmarks_region_configs_are_valid(tmp_path, overlap):
     assert ExperimentConfig.from_yaml(path.read_text()).outer.overlap == overlap
 
 
-def test_poisoned_reads_back_only_a_finished_run_of_its_steps(tmp_path, capsys):
-    """Its arms were read back whatever their --steps and --h, and stopped part-way too."""
+def test_poisoned_reads_back_only_a_finished_run_of_its_steps_and_factor(tmp_path, capsys):
+    """Its arms were read back whatever their --steps, --h and --factor, and stopped part-way too."""
     import importlib.util
     import json
 
@@ -68,10 +68,21 @@ def test_poisoned_reads_back_only_a_finished_run_of_its_steps(tmp_path, capsys):
     summary = {"inner_steps": 5, "outer_steps": 2, "stopped": False, "eval_loss": 7.0, "eval_loss_at_start": 10.9,
                "regions_agree": True, "events": [], "wall_seconds": 60.0}
     (tmp_path / "clean-mean" / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "clean-mean.factor.json").write_text(json.dumps({"factor": None}))  # as run_arm records it
     argv = ["--arms", "clean-mean", "--steps", "10", "--h", "5", "--output-dir", str(tmp_path)]
     assert poisoned.main(argv) == 0  # read back
     assert poisoned.main([*argv[:5], "2", *argv[6:]]) == 1  # H = 2: another run
-    assert "holds a run of H=5, 2 outer steps: give another --output-dir" in capsys.readouterr().err
+    assert "holds a run of H=5, 2 outer steps, region-c's Δ × None: give another" in capsys.readouterr().err
     (tmp_path / "clean-mean" / "summary.json").write_text(json.dumps({**summary, "stopped": True}))
     assert poisoned.main(argv) == 1
     assert "stopped part-way" in capsys.readouterr().err
+    # A poisoned arm run with --factor 1000 is not read back as --factor 10's, nor one whose factor is unknown.
+    (tmp_path / "poisoned-mean").mkdir()
+    (tmp_path / "poisoned-mean" / "summary.json").write_text(json.dumps(summary))
+    argv = ["--arms", "poisoned-mean", "--steps", "10", "--h", "5", "--output-dir", str(tmp_path)]
+    assert poisoned.main(argv) == 1
+    assert "region-c's Δ × unknown (not 1000.0): give another --output-dir" in capsys.readouterr().err
+    (tmp_path / "poisoned-mean.factor.json").write_text(json.dumps({"factor": 1000.0}))
+    assert poisoned.main(argv) == 0  # --factor's default, 1000
+    assert poisoned.main([*argv, "--factor", "10"]) == 1
+    assert "region-c's Δ × 1000.0 (not 10.0)" in capsys.readouterr().err
