@@ -1,10 +1,10 @@
 """What a region's group does between a cloud's preemption notice (a spot instance reclaimed) and its deadline.
 
 Once a node of the group is drained (with reason PREEMPTION on a cloud; Ray Train acts on any drain), Ray Train
-tells every worker
-(`ray.train.get_preemption_info`); at the deadline it ends the group and starts one on what is left. That restart is
-not one of `run.max_failures` (Ray Train counts it against `FailureConfig.max_preemption_failures`, unbounded by
-default), so a spot fleet may be reclaimed any number of times.
+tells every worker (`ray.train.get_preemption_info`); at the deadline it ends the group and starts one on what is
+left. That restart is not one of `run.max_failures` (Ray Train counts it against
+`FailureConfig.max_preemption_failures`, unbounded by default), so a spot fleet may be reclaimed any number of
+times.
 
 Without more, the group that follows would continue from θ_global but start AdamW anew unless the region's last
 round happened to be a `run.checkpoint_every` one. So while a notice stands the group checkpoints every round
