@@ -10,7 +10,10 @@ Without more, the group that follows would continue from θ_global but start Ada
 round happened to be a `run.checkpoint_every` one. So while a notice stands the group checkpoints every round
 (`policy.checkpoints_at(..., notice=True)`), and it starts no window that would not end, with its round and its
 checkpoint, before the deadline (`trains_through_notice`): it waits for the deadline on its checkpoint
-instead. The deadline is a UNIX time set by the cluster's head; the nodes of one Ray cluster are taken to share a
+instead. A notice that comes mid-window is looked for a few times a window (`looks_within_window`); where the rest
+of the window with its round would not end in time, the group hands in the steps it trained so far (`hands_in_early`:
+a shorter window, its Δ weighted by its tokens like any region's), so a window longer than the notice (H = 500 on
+GPUs against a cloud's 30 s) is not cut off. The deadline is a UNIX time set by the cluster's head; the nodes of one Ray cluster are taken to share a
 clock (NTP), which the regions, each its own cluster, never need to.
 """
 
@@ -26,6 +29,9 @@ NOTICE_GRACE_SECONDS = 60.0
 # Ray Train starts its preemption watcher just before the workers' train function: a notice may be detected
 # before the function's first look, so the group's start counts as a look this much earlier (a watcher's poll).
 WATCHER_LEAD_SECONDS = 5.0
+# Mid-window looks for a notice, at most this many a window besides the one at its round: each is a barrier of the
+# group's ranks (Ray Train's), a notice is seen within about a ninth of a window.
+LOOKS_PER_WINDOW = 8
 # Where a drain gave no deadline, Ray Train ends the group this long after it detected the preemption
 # (ray.train.v2 `DEFAULT_PREEMPTION_DEADLINE_S`; tests/test_preemption.py checks the two agree).
 UNSTATED_DEADLINE_SECONDS = 120.0
@@ -90,3 +96,29 @@ def sleep_past_deadline(deadline: float) -> None:
     """Until Ray Train ends the group at `deadline`; returns only where the group outlived it by
     NOTICE_GRACE_SECONDS (the next rounds then find the deadline passed and train on, checkpointing each)."""
     time.sleep(max(0.0, deadline + NOTICE_GRACE_SECONDS - time.time()))
+
+
+def looks_within_window(inner_steps: int) -> frozenset[int]:
+    """After which of a window's inner steps (counted from 1) the group looks for a notice mid-window: evenly
+    spaced, at most LOOKS_PER_WINDOW, never after the last (the round's own look follows it). The same steps on
+    every rank: each look is a barrier."""
+    every = -(-inner_steps // (LOOKS_PER_WINDOW + 1))  # ceil: at most LOOKS_PER_WINDOW looks before the last step
+    return frozenset(range(every, inner_steps, every))
+
+
+def hands_in_early(seconds_left: float, rest_seconds: float, round_seconds: float | None) -> bool:
+    """Mid-window under a notice, `seconds_left` before the deadline: whether the group ends the window now and
+    hands in the steps it trained, rather than train the rest of it (`rest_seconds`) first. It trains the rest only
+    where the rest with its round (`round_seconds`: exchange and checkpoint, as the last took; None before the
+    region's first) fits twice over, as `trains_through_notice` asks of a whole window. Past the deadline (Ray Train
+    did not end the group) the notice no longer shortens windows."""
+    if seconds_left <= 0:
+        return False
+    return round_seconds is None or not trains_through_notice(seconds_left, rest_seconds + round_seconds)
+
+
+def ends_window_early(deadline: float, rest_seconds: float, round_seconds: float | None) -> bool:
+    """`hands_in_early` as rank 0 decides it, taken by every rank (a barrier): the ranks' clocks and step times
+    differ, and a rank that ended its window while another trained on would block the group."""
+    return ray.train.collective.broadcast_from_rank_zero(
+        hands_in_early(deadline - time.time(), rest_seconds, round_seconds))

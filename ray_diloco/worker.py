@@ -164,6 +164,25 @@ def look_for_notice(sync_actor, watch: preemption.NoticeWatch, region: str, rank
     return notice is not None
 
 
+def ends_window_early(sync_actor, watch: preemption.NoticeWatch, region: str, rank: int, outer_step: int,
+                      trained: int, inner_steps: int, window_seconds: float, round_seconds: float | None) -> bool:
+    """Mid-window, after `trained` of the window's inner steps (`window_seconds` so far): whether a preemption
+    notice stands and the rest of the window with its round would not end before its deadline, so the group hands in
+    what it trained now (ray_diloco/preemption.py). Every rank asks at the same step (barriers)."""
+    if not look_for_notice(sync_actor, watch, region, rank):
+        return False
+    rest = window_seconds / trained * (inner_steps - trained)
+    if not preemption.ends_window_early(watch.deadline(), rest, round_seconds):
+        return False
+    if rank == 0:
+        left = watch.deadline() - time.time()
+        sync_actor.record_event.remote("window_ended_early", outer_step=outer_step, inner_steps=trained,
+                                       of=inner_steps, seconds_left=round(left, 1))
+        status(f"[{region}] outer step {outer_step + 1}: the window ends after {trained} of {inner_steps} inner "
+               f"steps, {left:.0f}s before the preemption deadline, so its round and checkpoint end in time")
+    return True
+
+
 def wait_out_notice(sync_actor, watch: preemption.NoticeWatch, region: str, outer_step: int, round_seconds: float,
                     rank: int) -> None:
     """Under a preemption notice, after the round's checkpoint: wait for the deadline where another window might
@@ -250,8 +269,14 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step, rank,
                           world_size, fresh_inner_state=True)
         checkpoint_seconds = time.perf_counter() - loop_started
+    # Inner steps after which the group looks for a preemption notice mid-window, and seconds from a window's end to
+    # the next window's start (exchange and checkpoint): until this group has timed one, the region's last round's
+    # (a restarted group's first window is no different from the others), None before the region's first.
+    looks, round_seconds = frozenset(), None
+    if sync_actor is not None:
+        looks, round_seconds = preemption.looks_within_window(H), ray.get(sync_actor.last_round.remote()).get("seconds")
     while outer_step < cfg.run.outer_steps and not stopped:
-        tokens_this_round, window_started = 0, time.perf_counter()
+        tokens_this_round, window_started, trained = 0, time.perf_counter(), H
         step_log.restart_clock()
         for inner in range(H):
             lr = inner_step.lr  # the rate this step uses (the scheduler moves on inside the step)
@@ -259,16 +284,22 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             tokens_this_round += tokens
             if step_log.record(outer_step * H + inner + 1, loss, tokens, lr):
                 flush_steps()
+            if inner + 1 in looks and ends_window_early(sync_actor, notice_watch, region, rank, outer_step, inner + 1,
+                                                        H, time.perf_counter() - window_started, round_seconds):
+                trained = inner + 1
+                break
         flush_steps()  # the window's last steps, before the exchange (which waits for the device anyway)
         tokens_total += tokens_this_round
+        window_ended = time.perf_counter()
         if sync_actor is not None:
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
                 sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
             test_slowdown(region, outer_step)
             # A preemption notice (a node of the group goes soon), looked for once a round: before the exchange
             # where rounds may overlap (one under a notice must not: it is checkpointed), else after it, the
-            # latest news, where the round that just ended can still be checkpointed.
-            notice = cfg.outer.overlap and look_for_notice(sync_actor, notice_watch, region, rank)
+            # latest news, where the round that just ended can still be checkpointed. A window ended early stands
+            # under one already.
+            notice = trained < H or (cfg.outer.overlap and look_for_notice(sync_actor, notice_watch, region, rank))
             sync_started = time.perf_counter()
             reached, rows, stop = ray.get(sync_actor.exchange.remote(
                 outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress(), notice))
@@ -278,7 +309,9 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             last_sync_seconds = time.perf_counter() - sync_started
             sync_waits.append((round(time.perf_counter() - loop_started, 3), round(last_sync_seconds, 3)))
             sync_seconds_total += last_sync_seconds
-            if reached != outer_step + 1:  # re-synced to a later step, or the window did not advance the outer step
+            # Re-synced to a later step, the window did not advance the outer step, or it ended early: the schedule
+            # follows the outer steps.
+            if reached != outer_step + 1 or trained < H:
                 inner_step.align(reached * H)
             advanced = reached != outer_step  # not: the round was abandoned, this window's Δ is lost
             if rank == 0:
@@ -286,7 +319,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 peers = str(last_round.get("group_size", peers))
                 status(sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round, advanced))
             outer_step = reached
-            if not cfg.outer.overlap:
+            if not cfg.outer.overlap and trained == H:
                 notice = look_for_notice(sync_actor, notice_watch, region, rank)
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
@@ -298,12 +331,13 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 if rank == 0:
                     metrics.safely(metrics.record_checkpoint, cfg.run.name, region,
                                    seconds=time.perf_counter() - checkpoint_started)
+            round_seconds = time.perf_counter() - window_ended
             if stop:  # the run was asked to stop; started again under its name, it goes on from here
                 stopped = True
                 break
-            if notice and outer_step < cfg.run.outer_steps:
-                wait_out_notice(sync_actor, notice_watch, region, outer_step, time.perf_counter() - window_started,
-                                rank)
+            if notice and outer_step < cfg.run.outer_steps:  # a whole window's time, where this one ended early
+                window_seconds = (window_ended - window_started) * H / trained
+                wait_out_notice(sync_actor, notice_watch, region, outer_step, window_seconds + round_seconds, rank)
         else:
             outer_step += 1
             if evaluator is not None and cfg.run.eval_every and outer_step % cfg.run.eval_every == 0:

@@ -87,3 +87,67 @@ def test_the_wait_ends_a_grace_past_the_deadline_where_ray_train_has_not_ended_t
     preemption.sleep_past_deadline(1_030.0)
     preemption.sleep_past_deadline(900.0)  # long past (grace included): no wait
     assert slept == [30.0 + preemption.NOTICE_GRACE_SECONDS, 0.0]
+
+
+@pytest.mark.parametrize("inner_steps,looks", [
+    (50, {6, 12, 18, 24, 30, 36, 42, 48}),  # every ceil(50 / 9) steps: eight looks, none after the last step
+    (9, {1, 2, 3, 4, 5, 6, 7, 8}),
+    (10, {2, 4, 6, 8}),
+    (2, {1}),
+    (1, set()),  # a one-step window: the round's own look is the only one
+])
+def test_the_group_looks_for_a_notice_a_few_times_a_window_never_after_its_last_step(inner_steps, looks):
+    assert preemption.looks_within_window(inner_steps) == looks
+
+
+def test_mid_window_looks_are_at_most_eight_and_spread_over_the_whole_window():
+    for inner_steps in range(1, 2001):
+        looks = sorted(preemption.looks_within_window(inner_steps))
+        assert len(looks) <= preemption.LOOKS_PER_WINDOW
+        assert all(0 < step < inner_steps for step in looks)
+        if looks:  # evenly spaced, the last within one spacing of the window's end
+            gaps = {b - a for a, b in zip([0] + looks, looks)}
+            assert len(gaps) == 1 and inner_steps - looks[-1] <= gaps.pop()
+
+
+def test_mid_window_a_group_under_a_notice_hands_in_early_unless_the_rest_and_its_round_fit_twice():
+    # 40 s of the window left, rounds of 10 s: the rest ends with its round 50 s on, which must fit twice
+    assert not preemption.hands_in_early(seconds_left=101.0, rest_seconds=40.0, round_seconds=10.0)
+    assert preemption.hands_in_early(seconds_left=100.0, rest_seconds=40.0, round_seconds=10.0)
+    assert preemption.hands_in_early(seconds_left=30.0, rest_seconds=1.0, round_seconds=None)  # no round timed yet
+    assert not preemption.hands_in_early(seconds_left=-1.0, rest_seconds=1.0, round_seconds=1.0)  # deadline passed
+    assert not preemption.hands_in_early(seconds_left=0.0, rest_seconds=1.0, round_seconds=None)
+
+
+class Actor:
+    """The SyncActor's `record_event` as the worker calls it (`.remote`), keeping what it was told."""
+
+    def __init__(self):
+        self.events = []
+        self.record_event = self
+
+    def remote(self, kind, **details):
+        self.events.append((kind, details))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_worker_ends_its_window_early_only_where_a_notice_stands_and_the_rest_would_not_fit(monkeypatch, rank):
+    from ray_diloco import worker
+    now = [1_000.0]
+    monkeypatch.setattr(preemption.time, "time", lambda: now[0])
+    monkeypatch.setattr(worker.time, "time", lambda: now[0])
+    monkeypatch.setattr(ray.train.collective, "broadcast_from_rank_zero", lambda value: value)  # every rank alike
+    answers = iter([None, notice(deadline_ms=1_090_000), notice(deadline_ms=1_090_000)])
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: next(answers))
+    actor, watch = Actor(), NoticeWatch()
+
+    def look(trained):  # inner steps of 0.5 s in a window of 50, then a round of 20 s
+        return worker.ends_window_early(actor, watch, "us", rank, 3, trained, 50, 0.5 * trained, 20.0)
+
+    assert not look(10)  # no notice: the window goes on
+    assert not look(10)  # the notice, 90 s left: the rest (40 steps, 20 s) and its round (20 s) fit twice
+    now[0] = 1_030.0
+    assert look(20)  # 60 s left, the rest (15 s) and its round: 70 s twice over, so it hands in now
+    expected = [("preemption_noticed", {"nodes": [NODE], "ranks": [1], "seconds_left": 90.0, "deadline_stated": True}),
+                ("window_ended_early", {"outer_step": 3, "inner_steps": 20, "of": 50, "seconds_left": 60.0})]
+    assert actor.events == (expected if rank == 0 else [])  # rank 0 speaks for the group
