@@ -11,10 +11,14 @@ round happened to be a `run.checkpoint_every` one. So while a notice stands the 
 (`policy.checkpoints_at(..., notice=True)`), and it starts no window that would not end, with its round and its
 checkpoint, before the deadline (`trains_through_notice`): it waits for the deadline on its checkpoint
 instead. A notice that comes mid-window is looked for a few times a window (`looks_within_window`); where the rest
-of the window with its round would not end in time, the group hands in the steps it trained so far (`hands_in_early`:
-a shorter window, its Δ weighted by its tokens like any region's), so a window longer than the notice (H = 500 on
-GPUs against a cloud's 30 s) is not cut off. The deadline is a UNIX time set by the cluster's head; the nodes of one Ray cluster are taken to share a
-clock (NTP), which the regions, each its own cluster, never need to.
+of the window with its round would not end in time, the group hands in the steps it trained so far
+(`hands_in_early`: a shorter window, its Δ weighted by its tokens like any region's), so a window longer than the
+notice (H = 500 on GPUs against a cloud's 30 s) is not cut off. Its round still meets the other regions, which hand
+in when their own windows end: it ends before the deadline only where theirs do too (a region alone, or regions
+whose windows end in time); otherwise it ends after the group is gone, the window's Δ still in it, and the group
+that follows starts AdamW anew (a mid-window checkpoint would keep it: not built). The deadline is a UNIX time set
+by the cluster's head; the nodes of one Ray cluster are taken to share a clock (NTP), which the regions, each its
+own cluster, never need to.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ NOTICE_GRACE_SECONDS = 60.0
 # Ray Train starts its preemption watcher just before the workers' train function: a notice may be detected
 # before the function's first look, so the group's start counts as a look this much earlier (a watcher's poll).
 WATCHER_LEAD_SECONDS = 5.0
-# Mid-window looks for a notice, at most this many a window besides the one at its round: each is a barrier of the
-# group's ranks (Ray Train's), a notice is seen within about a ninth of a window.
+# Mid-window looks for a notice, at most this many a window besides the one at its round (a notice is seen within
+# about a ninth of a window), and never fewer than this many inner steps apart: each look is a barrier of the
+# group's ranks (a Ray actor call; two once a notice stands), which short windows of fast steps would feel.
 LOOKS_PER_WINDOW = 8
+MIN_STEPS_BETWEEN_LOOKS = 5
 # Where a drain gave no deadline, Ray Train ends the group this long after it detected the preemption
 # (ray.train.v2 `DEFAULT_PREEMPTION_DEADLINE_S`; tests/test_preemption.py checks the two agree).
 UNSTATED_DEADLINE_SECONDS = 120.0
@@ -100,24 +106,25 @@ def sleep_past_deadline(deadline: float) -> None:
 
 def looks_within_window(inner_steps: int) -> frozenset[int]:
     """After which of a window's inner steps (counted from 1) the group looks for a notice mid-window: evenly
-    spaced, at most LOOKS_PER_WINDOW, never after the last (the round's own look follows it). The same steps on
-    every rank: each look is a barrier."""
+    spaced, at most LOOKS_PER_WINDOW, at least MIN_STEPS_BETWEEN_LOOKS apart, never after the last (the round's
+    own look follows it). The same steps on every rank: each look is a barrier."""
     every = -(-inner_steps // (LOOKS_PER_WINDOW + 1))  # ceil: at most LOOKS_PER_WINDOW looks before the last step
+    every = max(every, MIN_STEPS_BETWEEN_LOOKS)
     return frozenset(range(every, inner_steps, every))
 
 
 def hands_in_early(seconds_left: float, rest_seconds: float, round_seconds: float | None) -> bool:
     """Mid-window under a notice, `seconds_left` before the deadline: whether the group ends the window now and
     hands in the steps it trained, rather than train the rest of it (`rest_seconds`) first. It trains the rest only
-    where the rest with its round (`round_seconds`: exchange and checkpoint, as the last took; None before the
-    region's first) fits twice over, as `trains_through_notice` asks of a whole window. Past the deadline (Ray Train
-    did not end the group) the notice no longer shortens windows."""
+    where the rest with its round (`round_seconds`: round and checkpoint, as the last took; None where none was
+    timed: the run's first window, which it then ends) fits twice over, as `trains_through_notice` asks of a whole
+    window. Past the deadline (Ray Train did not end the group) the notice no longer shortens windows."""
     if seconds_left <= 0:
         return False
     return round_seconds is None or not trains_through_notice(seconds_left, rest_seconds + round_seconds)
 
 
-def ends_window_early(deadline: float, rest_seconds: float, round_seconds: float | None) -> bool:
+def hand_in_decision(deadline: float, rest_seconds: float, round_seconds: float | None) -> bool:
     """`hands_in_early` as rank 0 decides it, taken by every rank (a barrier): the ranks' clocks and step times
     differ, and a rank that ended its window while another trained on would block the group."""
     return ray.train.collective.broadcast_from_rank_zero(

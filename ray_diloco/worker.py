@@ -172,7 +172,7 @@ def ends_window_early(sync_actor, watch: preemption.NoticeWatch, region: str, ra
     if not look_for_notice(sync_actor, watch, region, rank):
         return False
     rest = window_seconds / trained * (inner_steps - trained)
-    if not preemption.ends_window_early(watch.deadline(), rest, round_seconds):
+    if not preemption.hand_in_decision(watch.deadline(), rest, round_seconds):
         return False
     if rank == 0:
         left = watch.deadline() - time.time()
@@ -181,6 +181,14 @@ def ends_window_early(sync_actor, watch: preemption.NoticeWatch, region: str, ra
         status(f"[{region}] outer step {outer_step + 1}: the window ends after {trained} of {inner_steps} inner "
                f"steps, {left:.0f}s before the preemption deadline, so its round and checkpoint end in time")
     return True
+
+
+def round_estimate(exchange_seconds: float, last_round: dict, checkpoint_seconds: float) -> float:
+    """What a round under a preemption notice takes with its checkpoint, from the last: the exchange as the workers
+    waited for it or, where it ran while they trained on (outer.overlap; under a notice it blocks), the round as
+    the SyncActor timed it (`last_round`: rank 0's; the decisions are rank 0's), plus the last checkpoint's time
+    (every round under a notice has one)."""
+    return max(exchange_seconds, last_round.get("seconds", 0.0)) + checkpoint_seconds
 
 
 def wait_out_notice(sync_actor, watch: preemption.NoticeWatch, region: str, outer_step: int, round_seconds: float,
@@ -269,12 +277,13 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step, rank,
                           world_size, fresh_inner_state=True)
         checkpoint_seconds = time.perf_counter() - loop_started
-    # Inner steps after which the group looks for a preemption notice mid-window, and seconds from a window's end to
-    # the next window's start (exchange and checkpoint): until this group has timed one, the region's last round's
-    # (a restarted group's first window is no different from the others), None before the region's first.
-    looks, round_seconds = frozenset(), None
-    if sync_actor is not None:
-        looks, round_seconds = preemption.looks_within_window(H), ray.get(sync_actor.last_round.remote()).get("seconds")
+    # Inner steps after which the group looks for a preemption notice mid-window.
+    looks = preemption.looks_within_window(H) if sync_actor is not None else frozenset()
+    # What a round with its checkpoint takes (`round_estimate`), for the notice's decisions (rank 0's count): until
+    # this group has run a round, the region's last one as the SyncActor timed it, since a notice may come in a
+    # restarted group's first window too; None before the region's first.
+    last_round: dict = ray.get(sync_actor.last_round.remote()) if sync_actor is not None else {}
+    round_seconds, last_checkpoint_seconds = last_round.get("seconds"), 0.0
     while outer_step < cfg.run.outer_steps and not stopped:
         tokens_this_round, window_started, trained = 0, time.perf_counter(), H
         step_log.restart_clock()
@@ -327,11 +336,11 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)
-                checkpoint_seconds += time.perf_counter() - checkpoint_started
+                last_checkpoint_seconds = time.perf_counter() - checkpoint_started
+                checkpoint_seconds += last_checkpoint_seconds
                 if rank == 0:
-                    metrics.safely(metrics.record_checkpoint, cfg.run.name, region,
-                                   seconds=time.perf_counter() - checkpoint_started)
-            round_seconds = time.perf_counter() - window_ended
+                    metrics.safely(metrics.record_checkpoint, cfg.run.name, region, seconds=last_checkpoint_seconds)
+            round_seconds = round_estimate(last_sync_seconds, last_round, last_checkpoint_seconds)
             if stop:  # the run was asked to stop; started again under its name, it goes on from here
                 stopped = True
                 break

@@ -194,7 +194,8 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
     assert all(files) and sum(len(f) for f in files) == len(set().union(*files)), files  # disjoint
     assert summary["outer_steps"] == OUTER_STEPS and not summary["disagreeing_regions"]
     data = summary["data_fingerprint"]["us"]
-    # Every round trained H steps of 1 batch per worker; the fingerprint is of exactly the first N windows.
+    # Every round trained H steps of 1 batch per worker (H = 4 has no mid-window look for a notice, so none ends
+    # early: preemption.looks_within_window); the fingerprint is of exactly the first N windows.
     assert data["windows"] >= OUTER_STEPS * 4 * cfg.data.batch_size
     assert data["fingerprint"] == first_windows_fingerprint(cfg, data["windows"])
     first_shrink = summary["events"].index(after_preemption[0])

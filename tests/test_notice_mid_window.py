@@ -94,9 +94,9 @@ def test_a_notice_shorter_than_the_window_ends_it_early_and_the_next_group_resto
     summary = json.loads((tmp_path / "out" / "notice" / "summary.json").read_text())
     events = summary["events"]
     early = [e for e in events if e["event"] == "window_ended_early"]
-    # The notice came at the start of the window towards outer step noticed_at + 1 (or, where the drain raced a
-    # slow round, the next): it ended early, once.
-    assert len(early) == 1 and early[0]["outer_step"] in (noticed_at, noticed_at + 1), events
+    # The notice came early in the window towards outer step noticed_at + 1 (seen within Ray Train's poll, 5 s, and
+    # a look, a ninth of the window): that window ended early, the only one.
+    assert [e["outer_step"] for e in early] == [noticed_at], events
     assert 0 < early[0]["inner_steps"] < INNER_STEPS and early[0]["of"] == INNER_STEPS, early
     (its_round,) = [r for r in summary["rounds"]["us"] if r["outer_step"] == early[0]["outer_step"]]
     assert its_round["tokens"] == early[0]["inner_steps"] * cfg.data.batch_size * cfg.data.seq_len, its_round

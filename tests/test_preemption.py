@@ -91,23 +91,26 @@ def test_the_wait_ends_a_grace_past_the_deadline_where_ray_train_has_not_ended_t
 
 @pytest.mark.parametrize("inner_steps,looks", [
     (50, {6, 12, 18, 24, 30, 36, 42, 48}),  # every ceil(50 / 9) steps: eight looks, none after the last step
-    (9, {1, 2, 3, 4, 5, 6, 7, 8}),
-    (10, {2, 4, 6, 8}),
-    (2, {1}),
-    (1, set()),  # a one-step window: the round's own look is the only one
+    (500, {56, 112, 168, 224, 280, 336, 392, 448}),
+    (12, {5, 10}),  # ceil(12 / 9) = 2 steps apart would be barriers too close together: 5
+    (5, set()),  # no step both 5 from the start and before the last
+    (4, set()),  # a short window: the round's own look is the only one
 ])
 def test_the_group_looks_for_a_notice_a_few_times_a_window_never_after_its_last_step(inner_steps, looks):
     assert preemption.looks_within_window(inner_steps) == looks
 
 
-def test_mid_window_looks_are_at_most_eight_and_spread_over_the_whole_window():
+def test_mid_window_looks_are_at_most_eight_spread_over_the_window_and_never_too_close():
     for inner_steps in range(1, 2001):
         looks = sorted(preemption.looks_within_window(inner_steps))
         assert len(looks) <= preemption.LOOKS_PER_WINDOW
         assert all(0 < step < inner_steps for step in looks)
+        assert bool(looks) == (inner_steps > preemption.MIN_STEPS_BETWEEN_LOOKS)
         if looks:  # evenly spaced, the last within one spacing of the window's end
             gaps = {b - a for a, b in zip([0] + looks, looks)}
-            assert len(gaps) == 1 and inner_steps - looks[-1] <= gaps.pop()
+            assert len(gaps) == 1
+            gap = gaps.pop()
+            assert gap >= preemption.MIN_STEPS_BETWEEN_LOOKS and inner_steps - looks[-1] <= gap
 
 
 def test_mid_window_a_group_under_a_notice_hands_in_early_unless_the_rest_and_its_round_fit_twice():
@@ -133,10 +136,14 @@ class Actor:
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_worker_ends_its_window_early_only_where_a_notice_stands_and_the_rest_would_not_fit(monkeypatch, rank):
     from ray_diloco import worker
-    now = [1_000.0]
-    monkeypatch.setattr(preemption.time, "time", lambda: now[0])
-    monkeypatch.setattr(worker.time, "time", lambda: now[0])
-    monkeypatch.setattr(ray.train.collective, "broadcast_from_rank_zero", lambda value: value)  # every rank alike
+    now, offered = [1_000.0], []
+    monkeypatch.setattr(preemption.time, "time", lambda: now[0])  # the one `time` module, worker's too
+
+    def broadcast_from_rank_zero(value):  # a barrier of every rank; here the ranks happen to agree
+        offered.append(value)
+        return value
+
+    monkeypatch.setattr(ray.train.collective, "broadcast_from_rank_zero", broadcast_from_rank_zero)
     answers = iter([None, notice(deadline_ms=1_090_000), notice(deadline_ms=1_090_000)])
     monkeypatch.setattr(ray.train, "get_preemption_info", lambda: next(answers))
     actor, watch = Actor(), NoticeWatch()
@@ -144,10 +151,21 @@ def test_a_worker_ends_its_window_early_only_where_a_notice_stands_and_the_rest_
     def look(trained):  # inner steps of 0.5 s in a window of 50, then a round of 20 s
         return worker.ends_window_early(actor, watch, "us", rank, 3, trained, 50, 0.5 * trained, 20.0)
 
-    assert not look(10)  # no notice: the window goes on
-    assert not look(10)  # the notice, 90 s left: the rest (40 steps, 20 s) and its round (20 s) fit twice
+    assert not look(10)  # no notice: the window goes on, and nothing is broadcast (every rank got Ray Train's None)
+    assert offered == []
+    assert not look(10)  # the notice, 90 s left: the rest (40 steps, 20 s) and its round (20 s) fit twice (80 s)
     now[0] = 1_030.0
-    assert look(20)  # 60 s left, the rest (15 s) and its round: 70 s twice over, so it hands in now
+    assert look(20)  # 60 s left: the rest (30 steps, 15 s) and its round make 35 s, 70 s twice over: it hands in
+    assert offered == [False, True]  # one decision broadcast per look under the notice, by every rank
     expected = [("preemption_noticed", {"nodes": [NODE], "ranks": [1], "seconds_left": 90.0, "deadline_stated": True}),
                 ("window_ended_early", {"outer_step": 3, "inner_steps": 20, "of": 50, "seconds_left": 60.0})]
     assert actor.events == (expected if rank == 0 else [])  # rank 0 speaks for the group
+
+
+def test_a_rounds_estimate_is_the_round_as_the_actor_timed_it_where_the_workers_trained_on_plus_the_checkpoint():
+    from ray_diloco.worker import round_estimate
+    # outer.overlap: the exchange was a hand-in (0.1 s) while the round ran 30 s; under a notice it blocks
+    assert round_estimate(0.1, {"seconds": 30.0}, checkpoint_seconds=10.0) == 40.0
+    # blocking: the exchange, which waited for the shards too, is the longer
+    assert round_estimate(12.0, {"seconds": 11.0}, checkpoint_seconds=2.0) == 14.0
+    assert round_estimate(3.0, {}, checkpoint_seconds=0.0) == 3.0  # a rank other than 0 (its value is not used)

@@ -317,12 +317,12 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
     async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, np.ndarray],
                        tokens: int, progress: dict | None = None,
                        notice: bool = False) -> tuple[int, dict[str, np.ndarray], bool]:
-        """Called by every rank after H inner steps with its shards (`outer_step` counts the region's own rounds;
-        shards and rows as `to_wire` arrays); returns the outer step now reached (ahead of the workers' count
-        after a re-sync), the rank's rows, and whether to stop there (the same answer for every rank). `notice`: a
-        preemption notice stands (the same on every rank), so the workers checkpoint this round and it must not
-        overlap (ray_diloco/preemption.py); told only where outer.overlap is on, else the workers look for a notice
-        after the round."""
+        """Called by every rank after H inner steps (fewer where a preemption notice ended the window early) with its
+        shards (`outer_step` counts the region's own rounds; shards and rows as `to_wire` arrays); returns the outer
+        step now reached (ahead of the workers' count after a re-sync), the rank's rows, and whether to stop there
+        (the same answer for every rank). `notice`: a preemption notice stands (the same on every rank), so the
+        workers checkpoint this round and it must not overlap (ray_diloco/preemption.py); told where outer.overlap
+        is on or the window ended early, else the workers look for a notice after the round."""
         if self.group_workers is not None and world_size != self.group_workers:  # a late call of a resized group
             raise RuntimeError(f"[{self.region}] rank {rank} of a group of {world_size} exchanges, but the region's "
                                f"group has {self.group_workers} workers now")

@@ -58,7 +58,7 @@ class PendingRound:
     stop_agreed: bool | None = None  # the round's decision (policy.stops_after_round); None: it did not end
     reached: int = 0  # the outer step the workers go on from
     overlapped: bool = False  # the round runs while the workers train on (outer.overlap)
-    notice: bool = False  # a preemption notice stands (told only under outer.overlap): the round never overlaps
+    notice: bool = False  # a preemption notice stands (told under outer.overlap or a window ended early): no overlap
     idle_after: float = 0.0  # seconds from the round's start to the time the others' deadline counts from
     inner_report: dict = field(default_factory=dict)  # rank 0's last inner step before this round (note_inner)
 
