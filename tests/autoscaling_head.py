@@ -17,6 +17,7 @@ died at once; the other way round, the process cannot connect. In token mode the
 token (`~/.ray/auth_token`, the one the process reads), and the autoscaler's nodes inherit the mode and read the
 same file."""
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import ray
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
 from conftest import RAY, descendants, free_port, kill
+from ray_diloco.driver import REGION_LABEL
 
 
 class NodeType(NamedTuple):
@@ -194,3 +196,29 @@ def node_processes(node_id: str, head_pid: int) -> list[int]:
         except OSError:
             continue  # gone meanwhile
     return found
+
+
+def one_region_head(tmp: Path, region: str, idle_minutes: float) -> AutoscalingHead:
+    """A region's cluster: a head of 1 CPU (the SyncActor and data tasks; no room for a worker) whose autoscaler
+    starts nodes of 2 CPUs labelled with `region`, one at least and two at most."""
+    return AutoscalingHead(tmp, head_cpus=1, idle_minutes=idle_minutes, node_types={
+        f"{region}-cpu2": NodeType(cpus=2, labels={REGION_LABEL: region}, min_nodes=1, max_nodes=2)})
+
+@contextlib.contextmanager
+def watching(head: AutoscalingHead, drivers: dict, note=lambda: ""):
+    """The body of a test that runs drivers (`drivers`: name -> conftest.Driver, filled as the body starts them) on
+    `head`, with this process connected to it: it only watches, every driver is a process of its own. A failure (a
+    wait, a dead actor, pytest's timeout) gets `note()` and what each driver printed last, which say why; in any
+    case the drivers are ended, Ray is shut down and the head stopped."""
+    try:
+        ray.init(address=head.address)
+        yield
+    except BaseException as failure:
+        failure.add_note(note() + "".join(f"\n--- {name}'s driver (end) ---\n{driver.output()[-3000:]}"
+                                          for name, driver in drivers.items()))
+        raise
+    finally:
+        for driver in drivers.values():
+            driver.end()
+        ray.shutdown()
+        head.stop()

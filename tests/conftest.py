@@ -150,6 +150,19 @@ def named_actor(name: str, address: str):
     return ray.get_actor(name, namespace=found[0].ray_namespace) if found else None
 
 
+def ended(drivers: dict) -> str | None:
+    """Which of `drivers` (name -> Driver) has ended already, while the run should still go on, if any."""
+    return next((f"{name}'s driver ended (exit {d.process.returncode})" for name, d in drivers.items()
+                 if d.process.poll() is not None), None)
+
+
+def while_running(drivers: dict):
+    """`wait_for` for a wait while the run of `drivers` goes on: a driver that ended fails it at once."""
+    def running(predicate, timeout, what):
+        return wait_for(predicate, timeout, what, fail_if=lambda: ended(drivers))
+    return running
+
+
 def wait_for(predicate, timeout, what, fail_if=lambda: None):
     """`predicate()`'s first true value within `timeout` seconds (its exceptions count as not yet); `fail_if()`
     returning a reason (a process the wait depends on has ended) fails the wait at once."""

@@ -44,8 +44,8 @@ import pytest
 import ray
 import yaml
 from ray.util.state import list_workers
-from autoscaling_head import AutoscalingHead, NodeType
-from conftest import Driver, alive, driver_env, named_actor, wait_for
+from autoscaling_head import one_region_head, watching
+from conftest import Driver, alive, driver_env, named_actor, wait_for, while_running
 from ray_diloco.batches import window_fingerprint
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.pipeline import build_region_datasets
@@ -87,12 +87,6 @@ def start_region(config: Path, region: str, address: str | None = None) -> Drive
                   driver_env())
 
 
-def ended(drivers: dict[str, Driver]) -> str | None:
-    """Which driver has ended already (while the run should still go on), if any: a wait for it fails at once."""
-    return next((f"{region}'s driver ended (exit {d.process.returncode})" for region, d in drivers.items()
-                 if d.process.poll() is not None), None)
-
-
 def events_of(actor, kind):
     return [e for e in ray.get(actor.stats.remote())["events"] if e["event"] == kind]
 
@@ -121,16 +115,11 @@ def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:
 def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_trains_every_window_once(tmp_path):
     config = run_yaml(tmp_path)
     cfg = ExperimentConfig.from_yaml(config.read_text())
-    head = AutoscalingHead(tmp_path, head_cpus=1, idle_minutes=0.25,
-                           node_types={"us-cpu2": NodeType(cpus=2, labels={REGION_LABEL: "us"}, min_nodes=1,
-                                                           max_nodes=2)})
+    head = one_region_head(tmp_path, "us", idle_minutes=0.25)
     drivers: dict[str, Driver] = {}
+    running = while_running(drivers)
 
-    def running(predicate, timeout, what):  # a wait while the run goes on: a driver that ended fails it
-        return wait_for(predicate, timeout, what, fail_if=lambda: ended(drivers))
-
-    try:
-        ray.init(address=head.address)  # this process only watches; every region's driver is a process of its own
+    with watching(head, drivers):
         # The first node is up before the driver starts: it pins the region's workers to nodes labelled `us`.
         wait_for(lambda: head.worker_nodes(), 300, "the autoscaler's first node")
         drivers["us"] = start_region(config, "us", head.address)
@@ -166,15 +155,6 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         node_labels = {n["NodeID"]: n.get("Labels", {}).get(REGION_LABEL) for n in ray.nodes()}  # dead ones too
         # The run is over: its nodes are idle, and the autoscaler terminates them (down to its minimum of 1).
         wait_for(lambda: len(head.worker_nodes()) == 1, 300, "the autoscaler to terminate the idle node")
-    except BaseException as failure:  # a wait, a dead actor, pytest's timeout: what the drivers printed says why
-        failure.add_note("".join(f"--- {region}'s driver (end) ---\n{d.output()[-2500:]}\n"
-                                 for region, d in drivers.items()))
-        raise
-    finally:
-        for driver in drivers.values():
-            driver.end()
-        ray.shutdown()
-        head.stop()
 
     results = tmp_path / "out" / "elastic"
     summary, *theirs = (json.loads((results / f"summary-{r}.json").read_text()) for r in ("us", "eu", "ap"))

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import ray
 import yaml
-from autoscaling_head import AutoscalingHead, NodeType
-from conftest import Driver, alive, driver_env, named_actor, wait_for
+from autoscaling_head import one_region_head, watching
+from conftest import Driver, alive, driver_env, named_actor, wait_for, while_running
 from ray_diloco.config import ExperimentConfig
-from ray_diloco.driver import REGION_LABEL, run_actor_name
+from ray_diloco.driver import run_actor_name
 from ray_diloco.presets import tiny_cpu
 from ray_diloco.worker_checkpoint import checkpoint_name
 
@@ -56,19 +56,14 @@ def events_of(actor, kind):
 def test_a_notice_shorter_than_the_window_ends_it_early_and_the_next_group_restores_its_checkpoint(tmp_path):
     config = run_yaml(tmp_path)
     cfg = ExperimentConfig.from_yaml(config.read_text())
-    head = AutoscalingHead(tmp_path, head_cpus=1, idle_minutes=5,
-                           node_types={"us-cpu2": NodeType(cpus=2, labels={REGION_LABEL: "us"}, min_nodes=1,
-                                                           max_nodes=2)})
-    driver = None
+    head = one_region_head(tmp_path, "us", idle_minutes=5)
+    drivers: dict[str, Driver] = {}
+    running = while_running(drivers)
 
-    def running(predicate, timeout, what):  # a wait while the run goes on: a driver that ended fails it
-        return wait_for(predicate, timeout, what, fail_if=lambda: driver.process.poll() is not None and
-                        f"the driver ended (exit {driver.process.returncode})")
-
-    try:
-        ray.init(address=head.address)  # this process only watches; the driver is a process of its own
+    with watching(head, drivers):
         wait_for(lambda: head.worker_nodes(), 300, "the autoscaler's first node")
-        driver = Driver(["--config", str(config), "--local-regions", "us", "--address", head.address], driver_env())
+        driver = drivers["us"] = Driver(["--config", str(config), "--local-regions", "us", "--address", head.address],
+                                        driver_env())
         actor = running(lambda: named_actor(run_actor_name("sync", cfg, "us"), head.address), 300, "us's SyncActor")
         running(lambda: ray.get(actor.outer_step.remote()) >= 1, 600, "us's first round")
         noticed_at = ray.get(actor.outer_step.remote())
@@ -81,15 +76,6 @@ def test_a_notice_shorter_than_the_window_ends_it_early_and_the_next_group_resto
         running(lambda: events_of(actor, "inner_state_restored") or events_of(actor, "inner_state_reset"), 600,
                 "the group to restart on a new node")
         assert driver.process.wait(timeout=600) == 0, f"the driver failed:\n{driver.output()[-3000:]}"
-    except BaseException as failure:  # a wait, a dead actor, pytest's timeout: what the driver printed says why
-        if driver is not None:
-            failure.add_note(f"--- the driver (end) ---\n{driver.output()[-3000:]}")
-        raise
-    finally:
-        if driver is not None:
-            driver.end()
-        ray.shutdown()
-        head.stop()
 
     summary = json.loads((tmp_path / "out" / "notice" / "summary.json").read_text())
     events = summary["events"]

@@ -17,7 +17,7 @@ import pytest
 import ray
 from ray.util.state import list_actors, list_workers
 
-from autoscaling_head import AutoscalingHead, NodeType
+from autoscaling_head import AutoscalingHead, NodeType, watching
 from conftest import Driver, driver_env, named_actor, wait_for
 from ray_diloco.config import RegionConfig
 from ray_diloco.driver import REGION_LABEL, run_actor_name
@@ -47,24 +47,14 @@ def test_each_region_runs_on_the_nodes_labelled_with_its_name(tmp_path):
     # SyncActor of the other region would too. The head's 4 could hold everything.
     head = AutoscalingHead(tmp_path, head_cpus=4, idle_minutes=5, node_types={
         f"{name}-cpu3": NodeType(cpus=3, labels={REGION_LABEL: name}, min_nodes=1, max_nodes=1) for name in REGIONS})
-    driver = None
-    try:
-        ray.init(address=head.address)  # this process only watches; the driver is a process of its own
+    drivers: dict[str, Driver] = {}
+    with watching(head, drivers, note=lambda: f"last look: {LAST_LOOK}"):
         wait_for(lambda: len(head.worker_nodes()) == len(REGIONS), 300, "the autoscaler's two labelled nodes")
-        driver = Driver(["--config", str(config), "--address", head.address], driver_env())
+        driver = drivers["the run"] = Driver(["--config", str(config), "--address", head.address], driver_env())
         placed = wait_for(lambda: _placement(cfg, head.address), 300,
                           "every region's worker, SyncActor and data reader in Ray's state API",
                           fail_if=lambda: driver.process.poll() is not None and "the driver ended")
         assert driver.process.wait(timeout=600) == 0
-    except BaseException as failure:  # a wait, the run, pytest's timeout: the last look and the driver say why
-        failure.add_note(f"last look: {LAST_LOOK}" + (f"\n--- the driver (end) ---\n{driver.output()[-3000:]}"
-                                                      if driver else ""))
-        raise
-    finally:
-        if driver is not None:
-            driver.end()
-        ray.shutdown()
-        head.stop()
 
     assert placed == {region: {"sync": region, "stream": region, "worker": region} for region in REGIONS}, placed
     summary = json.loads((tmp_path / "labels" / "summary.json").read_text())
