@@ -117,8 +117,9 @@ def hands_in_early(seconds_left: float, rest_seconds: float, round_seconds: floa
     """Mid-window under a notice, `seconds_left` before the deadline: whether the group ends the window now and
     hands in the steps it trained, rather than train the rest of it (`rest_seconds`) first. It trains the rest only
     where the rest with its round (`round_seconds`: round and checkpoint, as the last took; None where none was
-    timed: the run's first window, which it then ends) fits twice over, as `trains_through_notice` asks of a whole
-    window. Past the deadline (Ray Train did not end the group) the notice no longer shortens windows."""
+    timed: the first window after the region's SyncActor started, which it then ends) fits twice over, as
+    `trains_through_notice` asks of a whole window. Past the deadline (Ray Train did not end the group) the notice
+    no longer shortens windows."""
     if seconds_left <= 0:
         return False
     return round_seconds is None or not trains_through_notice(seconds_left, rest_seconds + round_seconds)

@@ -281,7 +281,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     looks = preemption.looks_within_window(H) if sync_actor is not None else frozenset()
     # What a round with its checkpoint takes (`round_estimate`), for the notice's decisions (rank 0's count): until
     # this group has run a round, the region's last one as the SyncActor timed it, since a notice may come in a
-    # restarted group's first window too; None before the region's first.
+    # restarted group's first window too; None before the SyncActor has run one (a start, resubmit or join).
     last_round: dict = ray.get(sync_actor.last_round.remote()) if sync_actor is not None else {}
     round_seconds, last_checkpoint_seconds = last_round.get("seconds"), 0.0
     while outer_step < cfg.run.outer_steps and not stopped:
