@@ -156,6 +156,11 @@ def ended(drivers: dict) -> str | None:
                  if d.process.poll() is not None), None)
 
 
+def events_of(actor, kind: str) -> list[dict]:
+    """The events of `kind` a region's SyncActor has recorded so far (summary.json's `events` while it runs)."""
+    return [e for e in ray.get(actor.stats.remote())["events"] if e["event"] == kind]
+
+
 def while_running(drivers: dict):
     """`wait_for` for a wait while the run of `drivers` goes on: a driver that ended fails it at once."""
     def running(predicate, timeout, what):

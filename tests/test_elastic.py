@@ -45,7 +45,7 @@ import ray
 import yaml
 from ray.util.state import list_workers
 from autoscaling_head import one_region_head, watching
-from conftest import Driver, alive, driver_env, named_actor, wait_for, while_running
+from conftest import Driver, alive, driver_env, events_of, named_actor, wait_for, while_running
 from ray_diloco.batches import window_fingerprint
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.pipeline import build_region_datasets
@@ -85,10 +85,6 @@ def start_region(config: Path, region: str, address: str | None = None) -> Drive
     """`ray-diloco train` for `region`: on the cluster at `address`, else in a private Ray (a cluster of its own)."""
     return Driver(["--config", str(config), "--local-regions", region, *(["--address", address] if address else [])],
                   driver_env())
-
-
-def events_of(actor, kind):
-    return [e for e in ray.get(actor.stats.remote())["events"] if e["event"] == kind]
 
 
 def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:

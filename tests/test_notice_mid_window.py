@@ -22,7 +22,7 @@ import pytest
 import ray
 import yaml
 from autoscaling_head import one_region_head, watching
-from conftest import Driver, alive, driver_env, named_actor, wait_for, while_running
+from conftest import Driver, alive, driver_env, events_of, named_actor, wait_for, while_running
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.driver import run_actor_name
 from ray_diloco.presets import tiny_cpu
@@ -46,10 +46,6 @@ def run_yaml(tmp_path: Path) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def events_of(actor, kind):
-    return [e for e in ray.get(actor.stats.remote())["events"] if e["event"] == kind]
 
 
 @pytest.mark.timeout(900)
