@@ -45,6 +45,10 @@ class Rules:
     count_overlapped_hangs: bool = True
     # (the actor before 534286f) a region stopped on its own request as its round ended, not on its group's
     agreed_stop: bool = True
+    # (the workers before 70aebf1) a preemption notice was looked for once a round, never mid-window
+    looks_mid_window: bool = True
+    # (c0395b8) a round under a notice blocks: with outer.overlap the workers tell the SyncActor with their hand-in
+    notice_blocks: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,9 @@ class RegionPlan:
     stop_at: float | None = None  # its driver is asked to stop (`ray job stop`): it ends after the round, checkpointed
     resubmit_after: float | None = None  # ... and is submitted again this much later (None: never), continuing
     driver: str | None = None  # the driver (one Ray cluster) that runs it with others of that name; None: its own
+    # Preemption notices: (when a node of its group is drained, seconds until the deadline). Ray Train tells the
+    # workers, ends the group at the deadline and starts another (protocol_notices.py).
+    notices: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class Schedule:
     hangs_after_step: frozenset[tuple[str, int]] = frozenset()
     max_failures: int = 1  # run.max_failures: a region whose group failed more often leaves the run
     split_steps: frozenset[int] = frozenset()  # outer steps whose round forms two groups (once): every other member
+    inner_steps: int = 50  # H: a window's inner steps, where the mid-window looks for a notice fall
 
 
 @dataclass
@@ -114,6 +122,11 @@ class _Region:
     hung_node: tuple | None = None  # while its Hivemind node hangs: (the state it no longer serves,)
     # What the simulator saw (not the actor's count): rounds abandoned in a row with no round ended nor group failed
     seen_abandoned: int = 0
+    last_round_seconds: float | None = None  # the SyncActor's last round as it timed it (None: it ran none yet)
+    last_exchange_seconds: float | None = None  # the workers' last exchange call (None: none yet)
+    last_window_seconds: float = 0.0  # the last window's time for H inner steps
+    worker_checkpoint: int | None = None  # the outer step of the newest worker checkpoint (inner AdamW state)
+    group_started: float = 0.0  # when its worker group (Ray Train's) last started
 
 
 @dataclass
@@ -139,6 +152,11 @@ class Outcome:
     failures: dict[str, int] = field(default_factory=dict)  # region -> its group's failures (Ray Train restarts)
     splits: list[int] = field(default_factory=list)  # outer steps whose round formed two groups
     partial_reads: int = 0  # records a read missed or saw in an older version (RegionPlan.partial_views)
+    early: list[tuple[str, int, int]] = field(default_factory=list)  # (region, window, inner steps) ended early
+    # (region, deadline, what the group that Ray Train ended there left): "kept" (it waited on a checkpoint of the
+    # step the next group starts from), "cut off" (it was mid-window), "outlived" (its round ended after it, so no
+    # checkpoint of the round's step: the next group starts AdamW anew), "lost" (it waited with no checkpoint)
+    deadlines: list[tuple[str, float, str]] = field(default_factory=list)
 
 
 @dataclass

@@ -27,6 +27,9 @@ same row; `Outcome.abandoned_in_flight`), or by the handshake of a group that re
 `Schedule.hangs_after_step`: a blocking round whose node hangs right after its outer step finishes in the
 background (`policy.overdue_round`: FINISH_IN_BACKGROUND; `Outcome.finished_in_background`), and the next round
 abandons it the same way. A hang in the settling after the run's last round is not modelled.
+`RegionPlan.notices`: preemption notices, with the workers' own decisions (protocol_notices.py): windows ended early
+(their Δ weighted by their steps), rounds under a notice blocking and checkpointed, groups waiting for the deadline,
+Ray Train ending the group there wherever it is (`Outcome.deadlines`).
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
 `policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round`,
@@ -44,6 +47,7 @@ from __future__ import annotations
 from protocol_model import (POLL, REPUBLISH, TRANSFER, Outcome, RegionPlan, Rules, Schedule, _Region, _Request,
                             full_key, initial_theta, violations, window_update)
 from protocol_driver import DriverStops
+from protocol_notices import Notices
 from protocol_world import World
 
 from ray_diloco.sync import policy
@@ -51,7 +55,7 @@ from ray_diloco.sync.outer import OuterOptimizer, state_digest
 from ray_diloco.sync.policy import FINISHED, OUT, READY, UNSETTLED, StateRecord
 
 
-class Simulator(DriverStops, World):
+class Simulator(Notices, DriverStops, World):
     """The regions: each one's SyncActor and workers, as a process in the world's simulated time."""
 
     # -- one region: its SyncActor and its workers -------------------------------------------------------
@@ -67,7 +71,8 @@ class Simulator(DriverStops, World):
         outer = OuterOptimizer(theta, lr=0.7, momentum=0.9, nesterov=True)
         outer.load_momentum(momentum)
         outer.step_count = step
-        region = _Region(plan, outer, state_digest(outer.global_state()), progress, incarnation=incarnation)
+        region = _Region(plan, outer, state_digest(outer.global_state()), progress, incarnation=incarnation,
+                         worker_checkpoint=step if saved else None, group_started=self.now)
         self.regions[plan.name] = region
         windows = self.out.windows.setdefault(plan.name, [])
         if len(windows) > progress:  # trained since the last checkpoint (run.checkpoint_every > 1): again now
@@ -101,42 +106,53 @@ class Simulator(DriverStops, World):
                 return
 
     def _train_window(self, region: _Region):
-        """H inner steps from the region's base (θ_global, or with overlap the θ its workers train from). Returns
-        (window, base θ, local θ, Δ, when training started), or None when the window must be trained again: the
-        group restarted mid-window, or its exchange was refused."""
+        """H inner steps from the region's base (θ_global, or with overlap the θ its workers train from), fewer
+        where a preemption notice ends the window early (protocol_notices.py). Returns (window, base θ, local θ, Δ,
+        when training started, inner steps trained), or None when the window must be trained again: the group
+        restarted mid-window, or its exchange was refused."""
         name, rules, s = region.plan.name, self.rules, self.s
         base_step, base_digest, base_theta = region.stale_base or (
             region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
         region.stale_base = None
         window = region.progress
-        duration = self._window_seconds(region.plan, window)
+        duration = region.last_window_seconds = self._window_seconds(region.plan, window)
         started = self.now
         if region.overlapped is not None:  # trained since the hand-in, while the round ran
             base_theta, started = region.overlapped
             duration = max(0.0, started + duration - self.now)
-        restart = next((t for t in region.plan.restarts if started < t <= self.now + duration), None)
+        trained, end = s.inner_steps, self.now + duration
+        early = self._early_end(region, started, region.last_window_seconds)
+        if early is not None:  # handed in at a look (one before now: while the round in flight ran)
+            end, trained = max(early[0], self.now), early[1]
+        restart = next((t for t in self._group_ends(region) if started < t <= end), None)
         if restart is not None:  # the group dies mid-window and restarts: the window is trained again
+            if restart not in region.plan.restarts:  # a notice's deadline
+                self.out.deadlines.append((name, restart, "cut off"))
             region.overlapped = None  # from θ_global: the restarted group takes the actor's state
             yield max(restart, self.now) - self.now + s.restart_seconds
             if region.hung_node is not None:  # a round hung in flight: resume_state waits the bound, abandons it
                 yield self._bound()
                 self._node_answers(region)
                 self.out.abandoned_by_restart.append((name, region.outer.step_count))
-            region.round_ended = self.now
+            region.round_ended = region.group_started = self.now
             return None
-        yield duration
+        yield end - self.now
         update = window_update(name, window, base_theta)
+        if trained < s.inner_steps:  # those steps' share of the window's update
+            self.out.early.append((name, window, trained))
+            update = {k: v * (trained / s.inner_steps) for k, v in update.items()}
         local = {k: base_theta[k] - update[k] for k in base_theta}
         if region.overlapped is not None:
-            return window, base_theta, local, {k: base_theta[k] - local[k] for k in base_theta}, started
+            return window, base_theta, local, {k: base_theta[k] - local[k] for k in base_theta}, started, trained
         if rules.check_exchange_step and base_step != region.outer.step_count:
             return None  # refused: the group restarts and takes the current state
         if base_digest != region.digest:
             self.out.violations.append(f"base: {name} sent a Δ trained from {base_digest[:6]} against "
                                        f"{region.digest[:6]} (step {region.outer.step_count})")
-        return window, base_theta, local, region.outer.pseudo_gradient(local), started
+        return window, base_theta, local, region.outer.pseudo_gradient(local), started, trained
 
-    def _exchange(self, region: _Region, window: int, base_theta: dict, local: dict, delta: dict, started: float):
+    def _exchange(self, region: _Region, window: int, base_theta: dict, local: dict, delta: dict, started: float,
+                  trained: int):
         """As SyncActorImpl._complete_round and its round: overlap or block, sit a non-finite round out, or
         rendezvous, average and step. Returns True when the region ended."""
         name, rules, s = region.plan.name, self.rules, self.s
@@ -156,8 +172,12 @@ class Simulator(DriverStops, World):
                    if rules.blocking_time_deadline else self.now)
         region.overlapped = None
         finite = (name, window) not in s.nonfinite
+        # The workers tell the SyncActor of a notice with their hand-in where the window ended early, or where rounds
+        # may overlap (they looked before the exchange); without overlap they look after the round (_after_round).
+        told = trained < s.inner_steps or (s.overlap and self._deadline(region, self.now) is not None)
         if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
-                              checkpoint_every=s.checkpoint_every, stopping=self._stopping(region.plan), finite=finite):
+                              checkpoint_every=s.checkpoint_every, stopping=self._stopping(region.plan), finite=finite,
+                              notice=told and rules.notice_blocks):
             newest = region.outer.global_state()
             region.overlapped = ({k: newest[k] + (local[k] - base_theta[k]) for k in newest}, self.now)
         before_round = (region.outer.step_count, region.digest,
@@ -170,7 +190,8 @@ class Simulator(DriverStops, World):
         elif region.overlapped is not None and (name, window) in self.hangs:  # an overlapped round that hangs
             self.hangs.discard((name, window))
             self._node_hangs(region)
-            return (yield from self._after_round(region, window, arrived, before_round, advanced=False))
+            return (yield from self._after_round(region, window, arrived, before_round, advanced=False,
+                                                 handed_in=handed_in, told=told))
         elif region.overlapped is None and (name, window) in self.hangs:  # a blocking round that hangs
             self.hangs.discard((name, window))
             if (yield from self._hang(region)) != policy.ABANDON:
@@ -179,7 +200,7 @@ class Simulator(DriverStops, World):
                 return (yield from self._group_failed(region))
             result, abandoned = None, True
         else:
-            result = yield from self._rendezvous(region, arrived, delta)
+            result = yield from self._rendezvous(region, arrived, delta, weight=trained / s.inner_steps)
         if result is False:
             return True
         hangs_after_step = (region.overlapped is None and result is not None
@@ -187,6 +208,9 @@ class Simulator(DriverStops, World):
         if not abandoned and not hangs_after_step:  # a round ended (SyncActorImpl._round): the node answers
             region.abandoned_in_a_row = region.seen_abandoned = 0
         region.round_ended = self.now
+        if result is not None or not finite:  # in the SyncActor's history: what the workers' next estimate reads
+            region.last_round_seconds = self.now - handed_in
+            region.last_exchange_seconds = 0.0 if region.overlapped is not None else self.now - handed_in
         if result is not None:
             averaged, consistent, group, log = result
             rules.outer_step(region.outer, averaged, region.plan.cpu)
@@ -204,7 +228,7 @@ class Simulator(DriverStops, World):
         else:
             agreement = None
         return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned,
-                                             agreement=agreement))
+                                             agreement=agreement, handed_in=handed_in, told=told))
 
     def _hang(self, region: _Region):
         """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
@@ -308,14 +332,16 @@ class Simulator(DriverStops, World):
             self._leave(name)
             return True
         yield self.s.restart_seconds
-        region.round_ended = self.now
+        region.round_ended = region.group_started = self.now
         return False
 
     def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool,
-                     agreement: tuple | None = None):
+                     agreement: tuple | None = None, handed_in: float = 0.0, told: bool = False):
         """The window counted, a checkpoint where the workers take one (not again for an abandoned round, which
-        did not advance), then the end (T reached, or a stop). `agreement`: for a round that averaged, (what the
-        region handed in with its Δ, the group's gathers, the round's log). Returns True when the region ended."""
+        did not advance), then the end (T reached, or a stop), or under a preemption notice the wait for its
+        deadline. `agreement`: for a round that averaged, (what the region handed in with its Δ, the group's
+        gathers, the round's log); `told`: the workers told the SyncActor of a notice with their hand-in. Returns
+        True when the region ended."""
         name, s = region.plan.name, self.s
         if region.outer.step_count > s.target:
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
@@ -323,8 +349,14 @@ class Simulator(DriverStops, World):
         stopping = self._stop_decision(region, agreement)
         if stopping and region.overlapped is not None:  # Rounds._stopped_in_flight: they end at their next hand-in
             yield from self._end_window_in_flight(region)  # and checkpoint then (a crash before: no checkpoint)
-        if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced):
+        # Without overlap the workers look for a notice after the round; a group its deadline ended meanwhile is gone.
+        notice = told or (not s.overlap and self._deadline(region, self.now) is not None)
+        ended = region.overlapped is None and (yield from self._group_ended_in_round(region, handed_in))
+        if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced,
+                                 notice=notice and not ended):
             self._commit(region)
+            if not ended and region.overlapped is None:  # the workers' part: their inner AdamW state
+                region.worker_checkpoint = region.outer.step_count
         if not self.rules.atomic_handshake and any(arrived < t <= self.now for t in region.plan.restarts):
             region.stale_base = before_round  # the old handshake: a group restarted during the round took this
         if region.outer.step_count >= s.target:
@@ -336,6 +368,8 @@ class Simulator(DriverStops, World):
         if stopping:
             self._stop(region)
             return True
+        if notice and not ended:
+            yield from self._wait_out_notice(region)
         return False
 
     @staticmethod
@@ -343,9 +377,10 @@ class Simulator(DriverStops, World):
         """How long the region's workers take for data window `window` (H inner steps, with its jitter)."""
         return plan.window_seconds + (plan.jitter[window % len(plan.jitter)] if plan.jitter else 0.0)
 
-    def _rendezvous(self, region: _Region, arrived: float, delta: dict):
-        """As Membership._rendezvous: the same machine, on this region's own clock. Returns the averager's result,
-        None if the region finishes without a round, False if it ended (a DHT error was fatal: an old rule)."""
+    def _rendezvous(self, region: _Region, arrived: float, delta: dict, weight: float):
+        """As Membership._rendezvous: the same machine, on this region's own clock; `delta` weighted by `weight`
+        (its tokens). Returns the averager's result, None if the region finishes without a round, False if it ended
+        (a DHT error was fatal: an old rule)."""
         name, rules, s = region.plan.name, self.rules, self.s
         local_arrived, said_ready = self.clock(name, arrived), False
         machine = policy.Rendezvous(target=s.target, arrived=local_arrived, max_wait=s.max_wait,
@@ -375,7 +410,7 @@ class Simulator(DriverStops, World):
                 return None
             else:
                 asked = self.now
-                result = yield _Request(name, region.outer.step_count, delta, 1.0, action.expected,
+                result = yield _Request(name, region.outer.step_count, delta, weight, action.expected,
                                         full_key(region.outer), None, region.incarnation,
                                         stop=self._stopping(region.plan))
                 if self.now - asked > s.matchmaking + TRANSFER + 1e-6:

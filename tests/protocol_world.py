@@ -264,7 +264,8 @@ class World:
         live = sorted(n for n, inc in self.alive.items() if inc and n not in self.out.finished)
         log = {"step": step, "time": self.now, "members": [m.region for m in members], "live": live,
                "consistent": all(c for _, c in results.values()), "before": {m.region: m.state_key for m in members},
-               "after": {}, "stops": {m.region: m.stop for m in members}, "decided": {}}
+               "after": {}, "stops": {m.region: m.stop for m in members}, "decided": {},
+               "weights": {m.region: m.weight for m in members}}
         self.out.rounds.append(log)
         for m in members:
             averaged, consistent = results[m.region]

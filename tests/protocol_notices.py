@@ -1,0 +1,97 @@
+"""Preemption notices in the protocol simulator (`tests/protocol_sim.py`): what a region's workers do between a
+cloud's notice and its deadline, with the workers' own decisions (ray_diloco/preemption.py: where the mid-window
+looks fall, whether to hand in early, whether to wait for the deadline; `worker.round_estimate`).
+
+A notice (`RegionPlan.notices`: when, and seconds to its deadline) is seen by the workers at their next look:
+mid-window (`looks_within_window` of `Schedule.inner_steps`), and once a round (after it; before the exchange with
+outer.overlap). A look that finds the rest of the window with its round would not end in time ends the window there
+(`hands_in_early`): its Δ is that many steps' update, weighted by its tokens. A round under a notice blocks
+(`policy.may_overlap(..., notice=True)`) and is checkpointed (`policy.checkpoints_at`); after it the group waits for
+the deadline where another window with its round might not end before it (`trains_through_notice`). At the deadline
+Ray Train ends the group, wherever it is, and starts another `Schedule.restart_seconds` later from the SyncActor's
+state. `Outcome.deadlines` says what each deadline left the next group.
+
+A mixin of `Simulator`: the world's state lives in protocol_world.py, a region's in protocol_model._Region.
+"""
+
+from __future__ import annotations
+
+from protocol_model import RegionPlan, _Region
+
+from ray_diloco import preemption
+from ray_diloco.worker import round_estimate
+
+
+class Notices:
+    """Preemption notices and their deadlines (see the module docstring)."""
+
+    @staticmethod
+    def _notices(region: _Region) -> list[tuple[float, float]]:
+        """(when, deadline) of the notices of the region's group: those that came once it ran. The group Ray Train
+        starts after a deadline runs on other nodes (a draining node takes no new work)."""
+        return [(at, at + left) for at, left in region.plan.notices if at >= region.group_started]
+
+    def _group_ends(self, region: _Region) -> tuple[float, ...]:
+        """When Ray Train ends the region's group: its restarts and its notices' deadlines."""
+        return tuple(sorted(region.plan.restarts + tuple(deadline for _, deadline in self._notices(region))))
+
+    def _deadline(self, region: _Region, when: float) -> float | None:
+        """The deadline of the notice the workers find at `when` (None: none stands)."""
+        return min((deadline for at, deadline in self._notices(region) if at <= when < deadline), default=None)
+
+    def _seconds_left(self, plan: RegionPlan, deadline: float, when: float) -> float:
+        """`deadline` less `when` as the region's cluster reads it (the deadline is a time of its head's clock)."""
+        return self.clock(plan.name, deadline) - self.clock(plan.name, when)
+
+    @staticmethod
+    def _round_estimate(region: _Region) -> float | None:
+        """What the workers take a round with its checkpoint to last (None: neither they nor the SyncActor ran one
+        yet). Checkpoints take no time here."""
+        if region.last_round_seconds is None and region.last_exchange_seconds is None:
+            return None
+        last_round = {} if region.last_round_seconds is None else {"seconds": region.last_round_seconds}
+        return round_estimate(region.last_exchange_seconds or 0.0, last_round, 0.0)
+
+    def _early_end(self, region: _Region, started: float, full: float) -> tuple[float, int] | None:
+        """Where the workers end the window begun at `started` (`full` seconds for H inner steps) early: (when, the
+        inner steps trained) at the first mid-window look that finds a notice and the rest of the window with its
+        round too long for its deadline (`preemption.hands_in_early`); None where it runs all H steps."""
+        if not self.rules.looks_mid_window:  # the workers before 70aebf1: once a round only
+            return None
+        plan, steps = region.plan, self.s.inner_steps
+        for trained in sorted(preemption.looks_within_window(steps)):
+            at = started + full * trained / steps
+            deadline = self._deadline(region, at)
+            if deadline is not None and preemption.hands_in_early(
+                    self._seconds_left(plan, deadline, at), full * (steps - trained) / steps,
+                    self._round_estimate(region)):
+                return at, trained
+        return None
+
+    def _group_ended_in_round(self, region: _Region, handed_in: float):
+        """A deadline that passed while the round ran (the SyncActor ends it without the workers): no checkpoint of
+        its step, and the next group starts `restart_seconds` after it. Returns whether one did."""
+        deadline = next((end for _, end in self._notices(region) if handed_in < end <= self.now), None)
+        if deadline is None:
+            return False
+        self.out.deadlines.append((region.plan.name, deadline, "outlived"))
+        yield max(0.0, deadline + self.s.restart_seconds - self.now)
+        region.overlapped, region.round_ended = None, self.now
+        region.group_started = self.now
+        return True
+
+    def _wait_out_notice(self, region: _Region):
+        """After a round under a notice: the group waits for the deadline where another window with its round
+        might not end before it, as `worker.wait_out_notice` (a whole window's time: the last one's, scaled to H);
+        the next group starts `restart_seconds` after it from the SyncActor's state."""
+        plan = region.plan
+        deadline = self._deadline(region, self.now)
+        if deadline is None or preemption.trains_through_notice(
+                self._seconds_left(plan, deadline, self.now), region.last_window_seconds + self._round_estimate(region)):
+            return
+        kept = region.worker_checkpoint == region.outer.step_count
+        region.overlapped = None  # an overlapped round's workers (an old rule) wait too; the next group starts anew
+        yield deadline - self.now
+        self.out.deadlines.append((plan.name, deadline, "kept" if kept else "lost"))
+        yield self.s.restart_seconds
+        region.round_ended = region.group_started = self.now
