@@ -47,7 +47,8 @@ class Rules:
     agreed_stop: bool = True
     # (the workers before 70aebf1) a preemption notice was looked for once a round, never mid-window
     looks_mid_window: bool = True
-    # (c0395b8) a round under a notice blocks: with outer.overlap the workers tell the SyncActor with their hand-in
+    # A mutation, not an old rule (the workers have told the SyncActor of a notice since 0539e53): an overlapped round
+    # under a notice, which cannot be checkpointed, as the property tests must catch
     notice_blocks: bool = True
 
 

@@ -8,8 +8,11 @@ outer.overlap). A look that finds the rest of the window with its round would no
 (`hands_in_early`): its Δ is that many steps' update, weighted by its tokens. A round under a notice blocks
 (`policy.may_overlap(..., notice=True)`) and is checkpointed (`policy.checkpoints_at`); after it the group waits for
 the deadline where another window with its round might not end before it (`trains_through_notice`). At the deadline
-Ray Train ends the group, wherever it is, and starts another `Schedule.restart_seconds` later from the SyncActor's
-state. `Outcome.deadlines` says what each deadline left the next group.
+Ray Train ends the group, wherever it is (mid-window, in the exchange, waiting, failing), and starts another
+`Schedule.restart_seconds` later from the SyncActor's state; a notice that comes after the old group ended is the new
+group's. `Outcome.deadlines` says what each deadline left the next group; a group found training past a deadline is
+a violation (`_no_deadline_passed`). Not modelled: a deadline while the region settles at the run's end or sits a
+non-finite round out is counted as one in the exchange; checkpoints take no time; every deadline is stated.
 
 A mixin of `Simulator`: the world's state lives in protocol_world.py, a region's in protocol_model._Region.
 """
@@ -68,17 +71,44 @@ class Notices:
                 return at, trained
         return None
 
-    def _group_ended_in_round(self, region: _Region, handed_in: float):
-        """A deadline that passed while the round ran (the SyncActor ends it without the workers): no checkpoint of
-        its step, and the next group starts `restart_seconds` after it. Returns whether one did."""
-        deadline = next((end for _, end in self._notices(region) if handed_in < end <= self.now), None)
-        if deadline is None:
+    def _group_ended_in_round(self, region: _Region, came_in: float, until: float, early: bool):
+        """Deadlines that passed while the workers were in the exchange, from `came_in` to `until` (the round's end,
+        or an overlapped round's hand-in): the SyncActor ends the round without them, so no checkpoint of its step;
+        a group Ray Train started meanwhile waits in resume_state for the round, and its own notice may end it too.
+        The next group starts `restart_seconds` after the last. `early`: the round of a window ended early
+        ("outlived early"). Returns whether any did."""
+        ended = None
+        while (deadline := min((end for _, end in self._notices(region) if came_in < end <= until),
+                               default=None)) is not None:
+            self.out.deadlines.append((region.plan.name, deadline,
+                                       "outlived early" if early and ended is None else "outlived"))
+            ended = region.group_started = deadline
+        if ended is None:
             return False
-        self.out.deadlines.append((region.plan.name, deadline, "outlived"))
-        yield max(0.0, deadline + self.s.restart_seconds - self.now)
+        yield max(0.0, ended + self.s.restart_seconds - self.now)
         region.overlapped, region.round_ended = None, self.now
-        region.group_started = self.now
+        self._started_after_deadlines(region)
         return True
+
+    def _deadline_before_failure(self, region: _Region) -> None:
+        """A group that fails (a hung round's error) after a deadline had ended it: that deadline left no checkpoint
+        of the step."""
+        deadline = min((end for _, end in self._notices(region) if end <= self.now), default=None)
+        if deadline is not None:
+            self.out.deadlines.append((region.plan.name, deadline, "outlived"))
+
+    def _started_after_deadlines(self, region: _Region) -> None:
+        """Deadlines that passed while the region's SyncActor started and joined: Ray Train started the group again,
+        before it trained (its start is not delayed here)."""
+        region.group_started = max([region.group_started] + [end for _, end in self._notices(region) if end <= self.now])
+
+    def _no_deadline_passed(self, region: _Region) -> None:
+        """The simulator's own check, as a group starts a window: every deadline of its notices that passed ended
+        it somewhere (each one accounted moves `group_started` past its notice)."""
+        passed = [end for _, end in self._notices(region) if end <= self.now]
+        if passed:
+            self.out.violations.append(f"notice: {region.plan.name}'s group lived past its deadline {min(passed):.1f}"
+                                       f"s (at {self.now:.1f}s)")
 
     def _wait_out_notice(self, region: _Region):
         """After a round under a notice: the group waits for the deadline where another window with its round
@@ -89,9 +119,13 @@ class Notices:
         if deadline is None or preemption.trains_through_notice(
                 self._seconds_left(plan, deadline, self.now), region.last_window_seconds + self._round_estimate(region)):
             return
+        # Ray Train ends the group at the first deadline, that of a notice that comes while it waits too.
+        deadline = min(end for at, end in self._notices(region) if at < deadline and end > self.now)
         kept = region.worker_checkpoint == region.outer.step_count
-        region.overlapped = None  # an overlapped round's workers (an old rule) wait too; the next group starts anew
+        region.overlapped = None  # an overlapped round's workers (a mutation the tests check) wait too
         yield deadline - self.now
         self.out.deadlines.append((plan.name, deadline, "kept" if kept else "lost"))
+        region.group_started = self.now
         yield self.s.restart_seconds
-        region.round_ended = region.group_started = self.now
+        region.round_ended = self.now
+        self._started_after_deadlines(region)

@@ -100,6 +100,7 @@ class Simulator(Notices, DriverStops, World):
         if not (yield from self._join(region)):
             return
         region.round_ended = self.now
+        self._started_after_deadlines(region)
         while True:
             trained = yield from self._train_window(region)
             if trained is not None and (yield from self._exchange(region, *trained)):
@@ -114,6 +115,7 @@ class Simulator(Notices, DriverStops, World):
         base_step, base_digest, base_theta = region.stale_base or (
             region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
         region.stale_base = None
+        self._no_deadline_passed(region)
         window = region.progress
         duration = region.last_window_seconds = self._window_seconds(region.plan, window)
         started = self.now
@@ -129,12 +131,14 @@ class Simulator(Notices, DriverStops, World):
             if restart not in region.plan.restarts:  # a notice's deadline
                 self.out.deadlines.append((name, restart, "cut off"))
             region.overlapped = None  # from θ_global: the restarted group takes the actor's state
+            region.group_started = max(restart, self.now)  # a notice from then on is the next group's
             yield max(restart, self.now) - self.now + s.restart_seconds
             if region.hung_node is not None:  # a round hung in flight: resume_state waits the bound, abandons it
                 yield self._bound()
                 self._node_answers(region)
                 self.out.abandoned_by_restart.append((name, region.outer.step_count))
-            region.round_ended = region.group_started = self.now
+            region.round_ended = self.now
+            self._started_after_deadlines(region)
             return None
         yield end - self.now
         update = window_update(name, window, base_theta)
@@ -156,6 +160,7 @@ class Simulator(Notices, DriverStops, World):
         """As SyncActorImpl._complete_round and its round: overlap or block, sit a non-finite round out, or
         rendezvous, average and step. Returns True when the region ended."""
         name, rules, s = region.plan.name, self.rules, self.s
+        came_in = self.now  # the workers are in the exchange from here: a deadline from now on ends them there
         if region.hung_node is not None:  # a round hung in flight is waited for first (SyncActorImpl._complete_round)
             if (yield from self._overdue_in_flight(region)) == policy.FAIL:
                 region.overlapped = None
@@ -191,7 +196,7 @@ class Simulator(Notices, DriverStops, World):
             self.hangs.discard((name, window))
             self._node_hangs(region)
             return (yield from self._after_round(region, window, arrived, before_round, advanced=False,
-                                                 handed_in=handed_in, told=told))
+                                                 handed_in=came_in, told=told, early=trained < s.inner_steps))
         elif region.overlapped is None and (name, window) in self.hangs:  # a blocking round that hangs
             self.hangs.discard((name, window))
             if (yield from self._hang(region)) != policy.ABANDON:
@@ -228,7 +233,8 @@ class Simulator(Notices, DriverStops, World):
         else:
             agreement = None
         return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned,
-                                             agreement=agreement, handed_in=handed_in, told=told))
+                                             agreement=agreement, handed_in=came_in, told=told,
+                                             early=trained < s.inner_steps))
 
     def _hang(self, region: _Region):
         """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
@@ -331,29 +337,38 @@ class Simulator(Notices, DriverStops, World):
             self.alive[name] = 0
             self._leave(name)
             return True
+        self._deadline_before_failure(region)
+        region.group_started = self.now
         yield self.s.restart_seconds
-        region.round_ended = region.group_started = self.now
+        region.round_ended = self.now
+        self._started_after_deadlines(region)
         return False
 
     def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool,
-                     agreement: tuple | None = None, handed_in: float = 0.0, told: bool = False):
+                     agreement: tuple | None = None, handed_in: float = 0.0, told: bool = False,
+                     early: bool = False):
         """The window counted, a checkpoint where the workers take one (not again for an abandoned round, which
         did not advance), then the end (T reached, or a stop), or under a preemption notice the wait for its
         deadline. `agreement`: for a round that averaged, (what the region handed in with its Δ, the group's
-        gathers, the round's log); `told`: the workers told the SyncActor of a notice with their hand-in. Returns
-        True when the region ended."""
+        gathers, the round's log); `told`: the workers told the SyncActor of a notice with their hand-in; `early`:
+        their window ended early. Returns True when the region ended."""
         name, s = region.plan.name, self.s
         if region.outer.step_count > s.target:
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
         self._consume(region, window)
         stopping = self._stop_decision(region, agreement)
+        # The workers were in the exchange from `handed_in` until the round's end, or where it overlaps until they
+        # were handed back (after the round in flight); a deadline after that cuts their next window off.
+        in_exchange_until = self.now if region.overlapped is None else region.overlapped[1]
         if stopping and region.overlapped is not None:  # Rounds._stopped_in_flight: they end at their next hand-in
             yield from self._end_window_in_flight(region)  # and checkpoint then (a crash before: no checkpoint)
         # Without overlap the workers look for a notice after the round; a group its deadline ended meanwhile is gone.
         notice = told or (not s.overlap and self._deadline(region, self.now) is not None)
-        ended = region.overlapped is None and (yield from self._group_ended_in_round(region, handed_in))
+        ended = yield from self._group_ended_in_round(region, handed_in, in_exchange_until, early=early)
+        # The workers save first, then the SyncActor commits: a group gone commits nothing, but the one Ray Train
+        # starts after a stop's round checkpoints (with AdamW anew: SyncActorImpl.resume_state's stop).
         if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced,
-                                 notice=notice and not ended):
+                                 notice=notice and not ended) and (stopping or not ended):
             self._commit(region)
             if not ended and region.overlapped is None:  # the workers' part: their inner AdamW state
                 region.worker_checkpoint = region.outer.step_count
