@@ -49,6 +49,25 @@ def no_ray_left_behind(request):
         pytest.fail(f"{request.module.__name__} left Ray initialized in the pytest process", pytrace=False)
 
 
+@pytest.fixture
+def draws_independent_of_loaded_modules(monkeypatch):
+    """Hypothesis mixes constants from every loaded module of this project into its draws, so the derandomized
+    search drew other schedules after another test file had imported more of ray_diloco: coverage paths were
+    missed or reached depending on which tests ran first (a run after tests/test_stop.py missed the crashed
+    region's replay). Without those constants the draws are the same whatever ran before. Where a Hypothesis
+    version has no such hook, nothing changes."""
+    from hypothesis.internal.conjecture import providers
+
+    if not hasattr(providers, "_get_local_constants") or not hasattr(providers, "CONSTANTS_CACHE"):
+        yield
+        return
+    empty = providers.Constants()
+    monkeypatch.setattr(providers, "_get_local_constants", lambda: empty)
+    providers.CONSTANTS_CACHE.cache.clear()
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     # 8 logical CPUs on 2 cores: every worker and SyncActor gets a slot, they take turns on the cores.

@@ -156,7 +156,8 @@ class Outcome:
     early: list[tuple[str, int, int]] = field(default_factory=list)  # (region, window, inner steps) ended early
     # (region, deadline, what the group that Ray Train ended there left): "kept" (it waited on a checkpoint of the
     # step the next group starts from), "cut off" (it was mid-window), "outlived" (its round ended after it, so no
-    # checkpoint of the round's step: the next group starts AdamW anew), "lost" (it waited with no checkpoint)
+    # checkpoint of the round's step: the next group starts AdamW anew; "outlived early": the round of a window ended
+    # early), "lost" (it waited with no checkpoint), "restarting" (a group that had trained nothing yet)
     deadlines: list[tuple[str, float, str]] = field(default_factory=list)
 
 

@@ -8,11 +8,12 @@ outer.overlap). A look that finds the rest of the window with its round would no
 (`hands_in_early`): its Δ is that many steps' update, weighted by its tokens. A round under a notice blocks
 (`policy.may_overlap(..., notice=True)`) and is checkpointed (`policy.checkpoints_at`); after it the group waits for
 the deadline where another window with its round might not end before it (`trains_through_notice`). At the deadline
-Ray Train ends the group, wherever it is (mid-window, in the exchange, waiting, failing), and starts another
-`Schedule.restart_seconds` later from the SyncActor's state; a notice that comes after the old group ended is the new
-group's. `Outcome.deadlines` says what each deadline left the next group; a group found training past a deadline is
-a violation (`_no_deadline_passed`). Not modelled: a deadline while the region settles at the run's end or sits a
-non-finite round out is counted as one in the exchange; checkpoints take no time; every deadline is stated.
+Ray Train ends the group, wherever it is (mid-window, in the exchange, waiting for the deadline, failing, starting),
+and starts another `Schedule.restart_seconds` later from the SyncActor's state; a notice that comes after the old
+group ended is the new group's. `Outcome.deadlines` says what each deadline left the next group; a group found
+training past a deadline is a violation (`_no_deadline_passed`). A deadline while the region sits a non-finite round
+out counts as one in the exchange. Not modelled: a deadline while the region settles at the run's end (it ends
+there), the time a checkpoint takes, and a drain that states no deadline.
 
 A mixin of `Simulator`: the world's state lives in protocol_world.py, a region's in protocol_model._Region.
 """
@@ -77,30 +78,41 @@ class Notices:
         a group Ray Train started meanwhile waits in resume_state for the round, and its own notice may end it too.
         The next group starts `restart_seconds` after the last. `early`: the round of a window ended early
         ("outlived early"). Returns whether any did."""
-        ended = None
-        while (deadline := min((end for _, end in self._notices(region) if came_in < end <= until),
-                               default=None)) is not None:
+        ended = self._deadlines_between(region, came_in, until)
+        for deadline in ended:
             self.out.deadlines.append((region.plan.name, deadline,
-                                       "outlived early" if early and ended is None else "outlived"))
-            ended = region.group_started = deadline
-        if ended is None:
+                                       "outlived early" if early and deadline == ended[0] else "outlived"))
+        if not ended:
             return False
-        yield max(0.0, ended + self.s.restart_seconds - self.now)
+        yield max(0.0, ended[-1] + self.s.restart_seconds - self.now)
         region.overlapped, region.round_ended = None, self.now
         self._started_after_deadlines(region)
         return True
 
-    def _deadline_before_failure(self, region: _Region) -> None:
-        """A group that fails (a hung round's error) after a deadline had ended it: that deadline left no checkpoint
-        of the step."""
-        deadline = min((end for _, end in self._notices(region) if end <= self.now), default=None)
-        if deadline is not None:
-            self.out.deadlines.append((region.plan.name, deadline, "outlived"))
+    def _deadlines_between(self, region: _Region, since: float, until: float) -> list[float]:
+        """The deadlines of the group's notices in (since, until], earliest first: each ends the group, and the one
+        Ray Train starts then has its own notices. `group_started` moves past them."""
+        ended = []
+        while (deadline := min((end for _, end in self._notices(region) if since < end <= until),
+                               default=None)) is not None:
+            ended.append(deadline)
+            region.group_started = deadline
+        return ended
+
+    def _ended_before_failure(self, region: _Region) -> bool:
+        """Whether deadlines ended the group before it failed (a hung round's error): they left no checkpoint of the
+        step, and the error reached no worker (the group Ray Train started waits in resume_state), so it is no
+        failure."""
+        ended = self._deadlines_between(region, float("-inf"), self.now)
+        self.out.deadlines += [(region.plan.name, deadline, "outlived") for deadline in ended]
+        return bool(ended)
 
     def _started_after_deadlines(self, region: _Region) -> None:
-        """Deadlines that passed while the region's SyncActor started and joined: Ray Train started the group again,
-        before it trained (its start is not delayed here)."""
-        region.group_started = max([region.group_started] + [end for _, end in self._notices(region) if end <= self.now])
+        """Deadlines that passed before a group trained: while the region's SyncActor started and joined, during Ray
+        Train's restart, or while the group waited in resume_state for a round. Ray Train started it again; the
+        group had trained nothing, so they cost nothing more ("restarting"; its start is not delayed here)."""
+        self.out.deadlines += [(region.plan.name, deadline, "restarting")
+                               for deadline in self._deadlines_between(region, float("-inf"), self.now)]
 
     def _no_deadline_passed(self, region: _Region) -> None:
         """The simulator's own check, as a group starts a window: every deadline of its notices that passed ended
@@ -116,8 +128,10 @@ class Notices:
         the next group starts `restart_seconds` after it from the SyncActor's state."""
         plan = region.plan
         deadline = self._deadline(region, self.now)
-        if deadline is None or preemption.trains_through_notice(
-                self._seconds_left(plan, deadline, self.now), region.last_window_seconds + self._round_estimate(region)):
+        if deadline is None:
+            return
+        window_and_round = region.last_window_seconds + self._round_estimate(region)
+        if preemption.trains_through_notice(self._seconds_left(plan, deadline, self.now), window_and_round):
             return
         # Ray Train ends the group at the first deadline, that of a notice that comes while it waits too.
         deadline = min(end for at, end in self._notices(region) if at < deadline and end > self.now)

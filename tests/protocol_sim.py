@@ -115,7 +115,6 @@ class Simulator(Notices, DriverStops, World):
         base_step, base_digest, base_theta = region.stale_base or (
             region.outer.step_count, region.digest, {k: v.clone() for k, v in region.outer.global_state().items()})
         region.stale_base = None
-        self._no_deadline_passed(region)
         window = region.progress
         duration = region.last_window_seconds = self._window_seconds(region.plan, window)
         started = self.now
@@ -140,6 +139,7 @@ class Simulator(Notices, DriverStops, World):
             region.round_ended = self.now
             self._started_after_deadlines(region)
             return None
+        self._no_deadline_passed(region)
         yield end - self.now
         update = window_update(name, window, base_theta)
         if trained < s.inner_steps:  # those steps' share of the window's update
@@ -215,7 +215,7 @@ class Simulator(Notices, DriverStops, World):
         region.round_ended = self.now
         if result is not None or not finite:  # in the SyncActor's history: what the workers' next estimate reads
             region.last_round_seconds = self.now - handed_in
-            region.last_exchange_seconds = 0.0 if region.overlapped is not None else self.now - handed_in
+        region.last_exchange_seconds = 0.0 if region.overlapped is not None else self.now - handed_in  # the workers'
         if result is not None:
             averaged, consistent, group, log = result
             rules.outer_step(region.outer, averaged, region.plan.cpu)
@@ -331,14 +331,14 @@ class Simulator(Notices, DriverStops, World):
         the run (its driver withdraws its record). Only these failures are counted: the schedule's `restarts` stand
         for those the user's run.max_failures is sized for. Returns True when the region ended."""
         name = region.plan.name
-        failures = self.out.failures[name] = self.out.failures.get(name, 0) + 1
-        if failures > self.s.max_failures:
-            self.out.dead[name] = f"its group failed {failures} times (run.max_failures {self.s.max_failures})"
-            self.alive[name] = 0
-            self._leave(name)
-            return True
-        self._deadline_before_failure(region)
-        region.group_started = self.now
+        if not self._ended_before_failure(region):
+            failures = self.out.failures[name] = self.out.failures.get(name, 0) + 1
+            if failures > self.s.max_failures:
+                self.out.dead[name] = f"its group failed {failures} times (run.max_failures {self.s.max_failures})"
+                self.alive[name] = 0
+                self._leave(name)
+                return True
+            region.group_started = self.now
         yield self.s.restart_seconds
         region.round_ended = self.now
         self._started_after_deadlines(region)
@@ -360,11 +360,15 @@ class Simulator(Notices, DriverStops, World):
         # The workers were in the exchange from `handed_in` until the round's end, or where it overlaps until they
         # were handed back (after the round in flight); a deadline after that cuts their next window off.
         in_exchange_until = self.now if region.overlapped is None else region.overlapped[1]
+        ended = yield from self._group_ended_in_round(region, handed_in, in_exchange_until, early=early)
         if stopping and region.overlapped is not None:  # Rounds._stopped_in_flight: they end at their next hand-in
+            window_from = region.overlapped[1]
             yield from self._end_window_in_flight(region)  # and checkpoint then (a crash before: no checkpoint)
+            cut = self._deadlines_between(region, window_from, self.now)  # the next group ends at once (the stop)
+            self.out.deadlines += [(name, deadline, "cut off") for deadline in cut]
+            ended = ended or bool(cut)
         # Without overlap the workers look for a notice after the round; a group its deadline ended meanwhile is gone.
         notice = told or (not s.overlap and self._deadline(region, self.now) is not None)
-        ended = yield from self._group_ended_in_round(region, handed_in, in_exchange_until, early=early)
         # The workers save first, then the SyncActor commits: a group gone commits nothing, but the one Ray Train
         # starts after a stop's round checkpoints (with AdamW anew: SyncActorImpl.resume_state's stop).
         if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced,

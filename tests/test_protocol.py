@@ -334,25 +334,6 @@ ONLY = {"a round hung in flight and the next round abandoned it; the region fini
         "(policy.choose_resume_steps) and finished": ("blocking, one driver of two",)}
 
 
-@pytest.fixture
-def draws_independent_of_loaded_modules(monkeypatch):
-    """Hypothesis mixes constants from every loaded module of this project into its draws, so the derandomized
-    search drew other schedules after another test file had imported more of ray_diloco: coverage paths were
-    missed or reached depending on which tests ran first (a run after tests/test_stop.py missed the crashed
-    region's replay). Without those constants the draws are the same whatever ran before. Where a Hypothesis
-    version has no such hook, nothing changes."""
-    from hypothesis.internal.conjecture import providers
-
-    if not hasattr(providers, "_get_local_constants") or not hasattr(providers, "CONSTANTS_CACHE"):
-        yield
-        return
-    empty = providers.Constants()
-    monkeypatch.setattr(providers, "_get_local_constants", lambda: empty)
-    providers.CONSTANTS_CACHE.cache.clear()
-    yield
-    providers.CONSTANTS_CACHE.cache.clear()
-
-
 @pytest.mark.parametrize("path, strategy", [(path, strategy) for path in sorted(REACHED)
                                             for strategy in ONLY.get(path, ("blocking", "overlapped"))])
 def test_the_random_schedules_reach_each_path(path, strategy, draws_independent_of_loaded_modules):
