@@ -179,7 +179,8 @@ class Simulator(Notices, DriverStops, World):
         finite = (name, window) not in s.nonfinite
         # The workers tell the SyncActor of a notice with their hand-in where the window ended early, or where rounds
         # may overlap (they looked before the exchange); without overlap they look after the round (_after_round).
-        told = trained < s.inner_steps or (s.overlap and self._deadline(region, self.now) is not None)
+        early = trained < s.inner_steps
+        told = early or (s.overlap and self._deadline(region, self.now) is not None)
         if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
                               checkpoint_every=s.checkpoint_every, stopping=self._stopping(region.plan), finite=finite,
                               notice=told and rules.notice_blocks):
@@ -196,7 +197,7 @@ class Simulator(Notices, DriverStops, World):
             self.hangs.discard((name, window))
             self._node_hangs(region)
             return (yield from self._after_round(region, window, arrived, before_round, advanced=False,
-                                                 handed_in=came_in, told=told, early=trained < s.inner_steps))
+                                                 handed_in=came_in, told=told, early=early))
         elif region.overlapped is None and (name, window) in self.hangs:  # a blocking round that hangs
             self.hangs.discard((name, window))
             if (yield from self._hang(region)) != policy.ABANDON:
@@ -233,8 +234,7 @@ class Simulator(Notices, DriverStops, World):
         else:
             agreement = None
         return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned,
-                                             agreement=agreement, handed_in=came_in, told=told,
-                                             early=trained < s.inner_steps))
+                                             agreement=agreement, handed_in=came_in, told=told, early=early))
 
     def _hang(self, region: _Region):
         """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
