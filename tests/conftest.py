@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import ray
 
+import leftovers
+
 from ray_diloco.config import RegionConfig
 from ray_diloco.presets import tiny_cpu
 
@@ -42,11 +44,23 @@ _SESSION = pytest.StashKey[pytest.Session]()
 @pytest.fixture(autouse=True, scope="module")
 def no_ray_left_behind(request):
     """A module that leaves Ray initialized in this process fails here, by name: the next module's `ray.init`
-    would fail, or a run would attach to the leftover Ray (CI saw both, after Ray Data auto-started one)."""
+    would fail, or a run would attach to the leftover Ray (CI saw both, after Ray Data auto-started one). So does
+    a module that leaves a process of its own running (tests/leftovers.py: found by a mark in its environment,
+    wherever it was re-parented to), after the processes of a cluster just shut down had time to exit."""
+    mark = leftovers.mark_for(request.module.__name__)
+    os.environ[leftovers.MARK] = mark  # inherited by every process the module starts
     yield
-    if ray.is_initialized():
+    initialized = ray.is_initialized()
+    if initialized:
         ray.shutdown()
+    left = leftovers.left_behind(mark, grace_seconds=30.0)
+    os.environ.pop(leftovers.MARK, None)
+    if initialized:
         pytest.fail(f"{request.module.__name__} left Ray initialized in the pytest process", pytrace=False)
+    if left:
+        listed = "; ".join(f"{pid}: {command}" for pid, command in sorted(left.items()))
+        pytest.fail(f"{request.module.__name__} left {len(left)} process(es) running 30 s after its end "
+                    f"(killed now): {listed}", pytrace=False)
 
 
 @pytest.fixture
