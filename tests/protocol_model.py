@@ -47,6 +47,9 @@ class Rules:
     agreed_stop: bool = True
     # (the workers before 70aebf1) a preemption notice was looked for once a round, never mid-window
     looks_mid_window: bool = True
+    # (the workers before c0395b8) that look came before the exchange, blocking rounds too: a notice that came while
+    # the workers waited in a round was seen only in the next window, and that round was not checkpointed
+    looks_after_round: bool = True
     # A mutation, not an old rule (the workers have told the SyncActor of a notice since 0539e53): an overlapped round
     # under a notice, which cannot be checkpointed, as the property tests must catch
     notice_blocks: bool = True
@@ -71,9 +74,10 @@ class RegionPlan:
     stop_at: float | None = None  # its driver is asked to stop (`ray job stop`): it ends after the round, checkpointed
     resubmit_after: float | None = None  # ... and is submitted again this much later (None: never), continuing
     driver: str | None = None  # the driver (one Ray cluster) that runs it with others of that name; None: its own
-    # Preemption notices: (when a node of its group is drained, seconds until the deadline). Ray Train tells the
+    # Preemption notices: (when a node of its group is drained, seconds until the deadline; None: the drain states
+    # none, and Ray Train ends the group preemption.UNSTATED_DEADLINE_SECONDS after it). Ray Train tells the
     # workers, ends the group at the deadline and starts another (protocol_notices.py).
-    notices: tuple[tuple[float, float], ...] = ()
+    notices: tuple[tuple[float, float | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class _Region:
     last_window_seconds: float = 0.0  # the last window's time for H inner steps
     worker_checkpoint: int | None = None  # the outer step of the newest worker checkpoint (inner AdamW state)
     group_started: float = 0.0  # when its worker group (Ray Train's) last started
+    looks: list[float] = field(default_factory=list)  # when the group's workers looked for a notice (and its start)
 
 
 @dataclass
@@ -159,6 +164,13 @@ class Outcome:
     # checkpoint of the round's step: the next group starts AdamW anew; "outlived early": the round of a window ended
     # early), "lost" (it waited with no checkpoint), "restarting" (a group that had trained nothing yet)
     deadlines: list[tuple[str, float, str]] = field(default_factory=list)
+    # (region, when, the step of the round) of each of the schedule's restarts that came while the workers were in a
+    # round: no checkpoint of that step
+    restarted_in_round: list[tuple[str, float, int]] = field(default_factory=list)
+    # (region, when) a group under an unstated deadline, Ray Train's later than the workers', woke from its wait
+    # (preemption.NOTICE_GRACE_SECONDS after their deadline) and trained on
+    woke_before_deadline: list[tuple[str, float]] = field(default_factory=list)
+    blocking_rounds: list[tuple[str, float, float]] = field(default_factory=list)  # (region, hand-in, end) of each
 
 
 @dataclass

@@ -12,8 +12,14 @@ Ray Train ends the group, wherever it is (mid-window, in the exchange, waiting f
 and starts another `Schedule.restart_seconds` later from the SyncActor's state; a notice that comes after the old
 group ended is the new group's. `Outcome.deadlines` says what each deadline left the next group; a group found
 training past a deadline is a violation (`_no_deadline_passed`). A deadline while the region sits a non-finite round
-out counts as one in the exchange. Not modelled: a deadline while the region settles at the run's end (it ends
-there), the time a checkpoint takes, and a drain that states no deadline.
+out counts as one in the exchange; so does one of the schedule's plain restarts (`RegionPlan.restarts`) that comes
+while the workers are in a round (`Outcome.restarted_in_round`: no checkpoint of that step). A drain that states no
+deadline gets Ray Train's (UNSTATED_DEADLINE_SECONDS after the drain here), and the workers count theirs from their
+last look that found no notice (`region.looks`, `_believed_deadline`), as `preemption.deadline_of` does: never
+late. Where that look was long before the drain (a hung round), they wake NOTICE_GRACE_SECONDS past their deadline
+and train on (`Outcome.woke_before_deadline`) until Ray Train's cuts them off. Not modelled: a deadline while the
+region settles at the run's end (it ends there), the time a checkpoint takes, the barrier of a look (it takes no
+time here), and Ray Train detecting a drain later than it came.
 
 A mixin of `Simulator`: the world's state lives in protocol_world.py, a region's in protocol_model._Region.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 from protocol_model import RegionPlan, _Region
 
 from ray_diloco import preemption
+from ray_diloco.preemption import NOTICE_GRACE_SECONDS, UNSTATED_DEADLINE_SECONDS, WATCHER_LEAD_SECONDS
 from ray_diloco.worker import round_estimate
 
 
@@ -33,7 +40,35 @@ class Notices:
     def _notices(region: _Region) -> list[tuple[float, float]]:
         """(when, deadline) of the notices of the region's group: those that came once it ran. The group Ray Train
         starts after a deadline runs on other nodes (a draining node takes no new work)."""
-        return [(at, at + left) for at, left in region.plan.notices if at >= region.group_started]
+        return [(at, at + Notices._left(region.plan, left)) for at, left in region.plan.notices
+                if at >= region.group_started]
+
+    @staticmethod
+    def _left(plan: RegionPlan, left: float | None) -> float:
+        """Seconds from a notice to Ray Train's deadline: the drain's, or where it stated none,
+        UNSTATED_DEADLINE_SECONDS of the region's clock (Ray Train's detection taken as the drain itself)."""
+        return left if left is not None else UNSTATED_DEADLINE_SECONDS / (1.0 + plan.clock_drift)
+
+    def _believed_deadline(self, region: _Region, when: float) -> float | None:
+        """The deadline the workers take at `when` (None: no notice stands), as `preemption.deadline_of`: the
+        drain's own, or where it stated none, UNSTATED_DEADLINE_SECONDS after the group's last look that found no
+        notice (`region.looks`: its start counts as one WATCHER_LEAD_SECONDS earlier). Never later than Ray Train's;
+        the earliest of the notices standing (Ray Train may widen a notice to an earlier deadline)."""
+        believed = []
+        for at, left in region.plan.notices:
+            actual = at + self._left(region.plan, left)
+            if at < region.group_started or not at <= when < actual:
+                continue
+            if left is None:
+                unseen_at = max((look for look in region.looks if look < at), default=at)
+                actual = unseen_at + self._left(region.plan, None)
+            believed.append(actual)
+        return min(believed, default=None)
+
+    def _start_looking(self, region: _Region) -> None:
+        """A group starts: Ray Train's watcher started just before it, so its start counts as a look that much
+        earlier (NoticeWatch)."""
+        region.looks = [self.now - WATCHER_LEAD_SECONDS]
 
     def _group_ends(self, region: _Region) -> tuple[float, ...]:
         """When Ray Train ends the region's group: its restarts and its notices' deadlines."""
@@ -65,7 +100,8 @@ class Notices:
         plan, steps = region.plan, self.s.inner_steps
         for trained in sorted(preemption.looks_within_window(steps)):
             at = started + full * trained / steps
-            deadline = self._deadline(region, at)
+            deadline = self._believed_deadline(region, at)
+            region.looks.append(at)  # (one after a restart cut the window off: the next group looks anew)
             if deadline is not None and preemption.hands_in_early(
                     self._seconds_left(plan, deadline, at), full * (steps - trained) / steps,
                     self._round_estimate(region)):
@@ -73,18 +109,25 @@ class Notices:
         return None
 
     def _group_ended_in_round(self, region: _Region, came_in: float, until: float, early: bool):
-        """Deadlines that passed while the workers were in the exchange, from `came_in` to `until` (the round's end,
-        or an overlapped round's hand-in): the SyncActor ends the round without them, so no checkpoint of its step;
-        a group Ray Train started meanwhile waits in resume_state for the round, and its own notice may end it too.
-        The next group starts `restart_seconds` after the last. `early`: the round of a window ended early
-        ("outlived early"). Returns whether any did."""
+        """Deadlines and the schedule's restarts that passed while the workers were in the exchange, from `came_in`
+        to `until` (the round's end, or an overlapped round's hand-in): the group is gone, so no checkpoint of the
+        round's step (the workers save their part before the SyncActor commits); a group Ray Train started meanwhile
+        waits in resume_state for the round, and its own notice may end it too. The next group starts
+        `restart_seconds` after the last. `early`: the round of a window ended early ("outlived early"). Returns
+        whether any did."""
+        name = region.plan.name
+        restarted = [t for t in region.plan.restarts if came_in < t <= until]
+        if restarted:  # the notices before a restart were the old group's
+            region.group_started = max(region.group_started, restarted[-1])
+            self.out.restarted_in_round += [(name, t, region.outer.step_count) for t in restarted]
         ended = self._deadlines_between(region, came_in, until)
         for deadline in ended:
-            self.out.deadlines.append((region.plan.name, deadline,
-                                       "outlived early" if early and deadline == ended[0] else "outlived"))
-        if not ended:
+            self.out.deadlines.append((name, deadline, "outlived early" if early and deadline == ended[0]
+                                       else "outlived"))
+        if not ended and not restarted:
             return False
-        yield max(0.0, ended[-1] + self.s.restart_seconds - self.now)
+        region.group_started = max([region.group_started, *restarted, *ended])
+        yield max(0.0, region.group_started + self.s.restart_seconds - self.now)
         region.overlapped, region.round_ended = None, self.now
         self._started_after_deadlines(region)
         return True
@@ -108,11 +151,13 @@ class Notices:
         return bool(ended)
 
     def _started_after_deadlines(self, region: _Region) -> None:
-        """Deadlines that passed before a group trained: while the region's SyncActor started and joined, during Ray
-        Train's restart, or while the group waited in resume_state for a round. Ray Train started it again; the
-        group had trained nothing, so they cost nothing more ("restarting"; its start is not delayed here)."""
+        """A group starts training. Deadlines that passed before it trained: while the region's SyncActor started and
+        joined, during Ray Train's restart, or while the group waited in resume_state for a round. Ray Train started
+        it again; the group had trained nothing, so they cost nothing more ("restarting"; its start is not delayed
+        here)."""
         self.out.deadlines += [(region.plan.name, deadline, "restarting")
                                for deadline in self._deadlines_between(region, float("-inf"), self.now)]
+        self._start_looking(region)
 
     def _no_deadline_passed(self, region: _Region) -> None:
         """The simulator's own check, as a group starts a window: every deadline of its notices that passed ended
@@ -127,14 +172,21 @@ class Notices:
         might not end before it, as `worker.wait_out_notice` (a whole window's time: the last one's, scaled to H);
         the next group starts `restart_seconds` after it from the SyncActor's state."""
         plan = region.plan
-        deadline = self._deadline(region, self.now)
-        if deadline is None:
+        believed = self._believed_deadline(region, self.now)
+        if believed is None:
             return
         window_and_round = region.last_window_seconds + self._round_estimate(region)
-        if preemption.trains_through_notice(self._seconds_left(plan, deadline, self.now), window_and_round):
+        if preemption.trains_through_notice(self._seconds_left(plan, believed, self.now), window_and_round):
             return
+        # `preemption.sleep_past_deadline`: it wakes NOTICE_GRACE_SECONDS after the deadline it took (at once, past
+        # that) and trains on, where Ray Train's deadline of an unstated drain is later still.
+        wakes = believed + NOTICE_GRACE_SECONDS / (1.0 + plan.clock_drift)
         # Ray Train ends the group at the first deadline, that of a notice that comes while it waits too.
-        deadline = min(end for at, end in self._notices(region) if at < deadline and end > self.now)
+        deadline = min((end for at, end in self._notices(region) if at < wakes and end > self.now), default=wakes)
+        if deadline >= wakes:
+            yield max(0.0, wakes - self.now)
+            self.out.woke_before_deadline.append((plan.name, self.now))
+            return
         kept = region.worker_checkpoint == region.outer.step_count
         region.overlapped = None  # an overlapped round's workers (a mutation the tests check) wait too
         yield deadline - self.now

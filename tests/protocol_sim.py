@@ -26,10 +26,11 @@ abandoned by the next round once it has waited `round_bound` for it (`policy.ove
 same row; `Outcome.abandoned_in_flight`), or by the handshake of a group that restarts meanwhile.
 `Schedule.hangs_after_step`: a blocking round whose node hangs right after its outer step finishes in the
 background (`policy.overdue_round`: FINISH_IN_BACKGROUND; `Outcome.finished_in_background`), and the next round
-abandons it the same way. A hang in the settling after the run's last round is not modelled.
+abandons it the same way (protocol_hangs.py). A hang in the settling after the run's last round is not modelled.
 `RegionPlan.notices`: preemption notices, with the workers' own decisions (protocol_notices.py): windows ended early
-(their Δ weighted by their steps), rounds under a notice blocking and checkpointed, groups waiting for the deadline,
-Ray Train ending the group there wherever it is (`Outcome.deadlines`).
+(their Δ weighted by their steps), rounds under a notice blocking and checkpointed, groups waiting for the deadline
+(the drain's, or one counted from their last look where it states none), Ray Train ending the group there wherever
+it is (`Outcome.deadlines`).
 
 Besides the rendezvous, settling, join and re-sync machines, the simulated region calls the actor's own
 `policy.round_arrival`, `may_overlap`, `published_group`, `checkpoints_at`, `round_bound`, `overdue_round`,
@@ -47,6 +48,7 @@ from __future__ import annotations
 from protocol_model import (POLL, REPUBLISH, TRANSFER, Outcome, RegionPlan, Rules, Schedule, _Region, _Request,
                             full_key, initial_theta, violations, window_update)
 from protocol_driver import DriverStops
+from protocol_hangs import Hangs
 from protocol_notices import Notices
 from protocol_world import World
 
@@ -55,7 +57,7 @@ from ray_diloco.sync.outer import OuterOptimizer, state_digest
 from ray_diloco.sync.policy import FINISHED, OUT, READY, UNSETTLED, StateRecord
 
 
-class Simulator(Notices, DriverStops, World):
+class Simulator(Hangs, Notices, DriverStops, World):
     """The regions: each one's SyncActor and workers, as a process in the world's simulated time."""
 
     # -- one region: its SyncActor and its workers -------------------------------------------------------
@@ -180,7 +182,10 @@ class Simulator(Notices, DriverStops, World):
         # The workers tell the SyncActor of a notice with their hand-in where the window ended early, or where rounds
         # may overlap (they looked before the exchange); without overlap they look after the round (_after_round).
         early = trained < s.inner_steps
-        told = early or (s.overlap and self._deadline(region, self.now) is not None)
+        looks_before = s.overlap or not rules.looks_after_round
+        if looks_before:
+            region.looks.append(self.now)
+        told = early or (looks_before and self._deadline(region, self.now) is not None)
         if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
                               checkpoint_every=s.checkpoint_every, stopping=self._stopping(region.plan), finite=finite,
                               notice=told and rules.notice_blocks):
@@ -236,90 +241,6 @@ class Simulator(Notices, DriverStops, World):
         return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned,
                                              agreement=agreement, handed_in=came_in, told=told, early=early))
 
-    def _hang(self, region: _Region):
-        """As SyncActorImpl._blocking_round when the region's Hivemind node stops answering at the round's first
-        DHT call: nothing is published or refreshed (its record expires, its state is not served) until the round
-        is given up at `policy.round_bound`. Returns `policy.overdue_round`'s action (the old rule: FAIL). The hang
-        is before the outer step (one after it: `_publish_hung`, `_finish_in_background`)."""
-        self._node_hangs(region)
-        yield self._bound()
-        self._node_answers(region)
-        if not self.rules.abandon_hung_rounds:  # the old actor: the other ranks raised, a Ray Train failure
-            return policy.FAIL
-        action, region.abandoned_in_a_row = policy.overdue_round(applied=False,
-                                                                 abandoned_in_a_row=region.abandoned_in_a_row)
-        self._saw(region, action)
-        return action
-
-    def _node_hangs(self, region: _Region) -> None:
-        """The region's Hivemind node stops answering (a round's DHT call that never returns): its record is no
-        longer refreshed and its state no longer served, until `_node_answers`."""
-        name = region.plan.name
-        if name in self.dht:
-            self.dht[name][1] = min(self.dht[name][1], self.now + self.s.ttl)
-        region.hung_node = (self.served.pop(name, None),)
-
-    def _publish_hung(self, region: _Region, group: int) -> None:
-        """As Membership._publish when the region's Hivemind node stops answering at the store: the record counts as
-        published (the sharer stores it when the node answers again); until then the old one expires and nothing
-        is served."""
-        name = region.plan.name
-        before = self.dht.get(name)  # what the DHT holds: the record before (the store never reaches it)
-        self.publish(region, group)
-        if before is None:
-            self.dht.pop(name, None)
-        else:
-            self.dht[name] = list(before)
-        self._node_hangs(region)
-
-    def _finish_in_background(self, region: _Region, handed_in: float):
-        """As SyncActorImpl._blocking_round: the round is still running at its bound, counted from the hand-in, with
-        its outer step applied: `policy.overdue_round` lets it finish in the background (the workers go on from
-        the new state) and the next round waits for it (`_overdue_in_flight`)."""
-        yield max(0.0, handed_in + self._bound() - self.now)
-        action, region.abandoned_in_a_row = policy.overdue_round(applied=True,
-                                                                 abandoned_in_a_row=region.abandoned_in_a_row)
-        assert action == policy.FINISH_IN_BACKGROUND, action
-        self.out.finished_in_background.append((region.plan.name, region.outer.step_count))
-
-    def _overdue_in_flight(self, region: _Region):
-        """As SyncActorImpl._complete_round: the next round waits `policy.round_bound` for the hung round in flight,
-        then abandons it (`policy.overdue_in_flight`: or fails the workers, the limit-th in a row). Returns the
-        action (the old rule: ABANDON, never counted)."""
-        yield self._bound()
-        self._node_answers(region)
-        if not self.rules.count_overlapped_hangs:
-            action = policy.ABANDON
-        else:
-            action, region.abandoned_in_a_row = policy.overdue_in_flight(region.abandoned_in_a_row)
-        self.out.abandoned_in_flight.append((region.plan.name, region.outer.step_count))
-        self._saw(region, action)
-        return action
-
-    def _bound(self) -> float:
-        return policy.round_bound(self.s.max_wait, self.s.averaging_timeout, self.download_bound())
-
-    def _node_answers(self, region: _Region) -> None:
-        """The hung round is given up: the region's node answers again and the sharer's refresh stores its record."""
-        (served,), region.hung_node = region.hung_node, None
-        if served is not None:
-            self.served[region.plan.name] = served
-        self._store(region.plan.name, region.incarnation)
-
-    def _saw(self, region: _Region, action: str) -> None:
-        """The simulator's own count of rounds abandoned in a row: a region whose Hivemind node stays hung must fail
-        its workers by the ABANDONED_ROUNDS_LIMIT-th (Ray Train's restarts, then it leaves the run), not train on
-        without ever averaging, each abandoned round leaving a thread blocked."""
-        name = region.plan.name
-        if action == policy.ABANDON:
-            self.out.abandoned.append((name, region.outer.step_count))
-            region.seen_abandoned += 1
-            if region.seen_abandoned >= policy.ABANDONED_ROUNDS_LIMIT:
-                self.out.violations.append(f"bounded: {name} abandoned {region.seen_abandoned} rounds in a row "
-                                           "and trained on")
-        elif action == policy.FAIL:
-            region.seen_abandoned = 0
-
     def _consume(self, region: _Region, window: int) -> None:
         """The window's batches were read: the region's data position moves past it."""
         self.out.windows[region.plan.name].append(window)
@@ -360,6 +281,8 @@ class Simulator(Notices, DriverStops, World):
         # The workers were in the exchange from `handed_in` until the round's end, or where it overlaps until they
         # were handed back (after the round in flight); a deadline after that cuts their next window off.
         in_exchange_until = self.now if region.overlapped is None else region.overlapped[1]
+        if region.overlapped is None:
+            self.out.blocking_rounds.append((name, handed_in, self.now))
         ended = yield from self._group_ended_in_round(region, handed_in, in_exchange_until, early=early)
         if stopping and region.overlapped is not None:  # Rounds._stopped_in_flight: they end at their next hand-in
             window_from = region.overlapped[1]
@@ -368,7 +291,10 @@ class Simulator(Notices, DriverStops, World):
             self.out.deadlines += [(name, deadline, "cut off") for deadline in cut]
             ended = ended or bool(cut)
         # Without overlap the workers look for a notice after the round; a group its deadline ended meanwhile is gone.
-        notice = told or (not s.overlap and self._deadline(region, self.now) is not None)
+        looks_after = not s.overlap and self.rules.looks_after_round
+        if looks_after and not ended:
+            region.looks.append(self.now)
+        notice = told or (looks_after and self._deadline(region, self.now) is not None)
         # The workers save first, then the SyncActor commits: a group gone commits nothing, but the one Ray Train
         # starts after a stop's round checkpoints (with AdamW anew: SyncActorImpl.resume_state's stop).
         if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced,

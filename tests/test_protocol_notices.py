@@ -1,6 +1,7 @@
 """Property tests of the protocol under preemption notices (tests/protocol_notices.py): the simulator's regions get
-notices at any moment, 5 s to 150 s before their deadline (GCP gives 30 s, AWS 120 s), and their workers decide
-as ray_diloco/worker.py does (`ray_diloco.preemption`).
+notices at any moment, 5 s to 150 s before their deadline (GCP gives 30 s, AWS 120 s) or with none stated (Ray
+Train's 120 s, the workers counting from their last look without a notice), and their workers decide as
+ray_diloco/worker.py does (`ray_diloco.preemption`).
 
 * With every fault of tests/test_protocol.py besides, blocking and overlapped, the protocol's invariants hold
   (`violations`, and no group trains past its deadline): windows ended early enter the average with their steps'
@@ -13,6 +14,10 @@ as ray_diloco/worker.py does (`ray_diloco.preemption`).
   (the number of schedules it took is printed).
 * With several regions it does not hold: an early window's round waits for the others' windows (a mid-window
   checkpoint is not built; ray_diloco/preemption.py). A test finds such a schedule, so the limit stays in sight.
+* With several regions, a notice that comes while the workers wait in a blocking round, with its deadline after
+  the round's end but too soon for another window, keeps that round: the workers look as the round ends, checkpoint
+  it and wait. The workers' old rule (a look before the exchange only, before c0395b8) breaks it; Hypothesis finds
+  that too.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
-from protocol_sim import RegionPlan, Rules, Schedule, simulate
+from protocol_sim import RegionPlan, Rules, Schedule, Simulator, simulate, violations
 from test_protocol import EXAMPLES, MATCHMAKING, MAX_WAIT, PROPERTY_SETTINGS, TTL, overlapped, schedules
 
 from ray_diloco import preemption
 
-NOTICE_SECONDS = st.sampled_from([30.0, 120.0]) | st.floats(5.0, 150.0)
+# A drain's deadline: GCP's 30 s, AWS's 120 s, any, or none stated (Ray Train's 120 s from its detection)
+NOTICE_SECONDS = st.sampled_from([30.0, 120.0, None]) | st.floats(5.0, 150.0)
 INNER_STEPS = st.sampled_from([12, 50, 500])
 LONE_ROUND = 1.0  # more than a lone region's round takes here (TRANSFER, and no one to wait for)
 RESTART_SECONDS = Schedule.restart_seconds  # Ray Train's restart of a group, as the simulator takes it
@@ -57,12 +63,15 @@ def lone_noticed(draw) -> Schedule:
     window, steps = draw(st.floats(20.0, 60.0)), draw(INNER_STEPS)
     spikes = tuple(draw(st.lists(st.sampled_from([0.0, 3.0, 10.0]), max_size=3)))
     shortest = look_spacing(window + max(spikes, default=0.0), steps) + LONE_ROUND
-    notices = [(draw(st.floats(0.0, 300.0)), draw(st.floats(shortest, max(shortest, 150.0))))
+    # An unstated deadline leaves its 120 s less the time between two looks (the workers count from the last look
+    # that found no notice): far more than the premise asks here.
+    notices = [(draw(st.floats(0.0, 300.0)), draw(st.none() | st.floats(shortest, max(shortest, 150.0))))
                for _ in range(draw(st.integers(1, 3)))]
     # Not one that comes while Ray Train starts the group after a deadline (restart_seconds): the group sees it only
     # once it trains, so less is left of it than the premise says.
+    ends = [at + (preemption.UNSTATED_DEADLINE_SECONDS if left is None else left) for at, left in notices]
     notices = [(at, left) for at, left in notices
-               if not any(end <= at < end + RESTART_SECONDS for end in (a + n for a, n in notices))] or notices[:1]
+               if not any(end <= at < end + RESTART_SECONDS for end in ends)] or notices[:1]
     schedule = Schedule((RegionPlan("a", window, jitter=spikes, notices=tuple(notices)),),
                         target=draw(st.integers(2, 6)),
                         max_wait=MAX_WAIT, matchmaking=MATCHMAKING, ttl=TTL, inner_steps=steps,
@@ -76,6 +85,27 @@ def lost_inner_state(schedule: Schedule, rules: Rules = Rules()) -> list[str]:
     out, found = simulate(schedule, rules)
     return found + [f"notice: {name}'s deadline at {at:.1f}s: {what}" for name, at, what in out.deadlines
                     if what not in ("kept", "restarting")]
+
+
+def unkept_after_a_blocking_round(schedule: Schedule, rules: Rules = Rules()) -> list[str]:
+    """The protocol's violations, and each deadline of a notice that came while a region's workers waited in a
+    blocking round and falls after the round's end but too soon for another window with its round (within twice the
+    window: `preemption.trains_through_notice`) where the next group did not continue from a checkpoint of its step.
+    The workers look for a notice as the round ends, so that round is checkpointed and they wait for the deadline
+    ("kept"). A deadline left without a label (the region finished first, or an earlier deadline ended the group
+    that had the notice) is not counted."""
+    out, found = simulate(schedule, rules)
+    labels = {(name, at): what for name, at, what in out.deadlines}
+    for plan in schedule.regions:
+        for at, left in plan.notices:
+            deadline = at + (preemption.UNSTATED_DEADLINE_SECONDS if left is None else left)
+            for name, handed_in, ended in out.blocking_rounds:
+                what = labels.get((name, deadline), "kept")
+                if (name == plan.name and handed_in <= at < ended < deadline <= ended + 2 * plan.window_seconds
+                        and what != "kept"):
+                    found.append(f"notice: {name}'s notice at {at:.1f}s came in the round {handed_in:.1f}-"
+                                 f"{ended:.1f}s; its deadline at {deadline:.1f}s: {what}")
+    return found
 
 
 # CI's run drew it (other modules loaded, so other draws): the check that no group trains past a deadline ran before
@@ -101,19 +131,30 @@ def test_property_a_lone_region_keeps_its_inner_state_at_every_deadline(draws_in
     assert not found, found
 
 
+def unstated_deadlines(schedule: Schedule) -> set[tuple[str, float]]:
+    """(region, Ray Train's deadline) of the schedule's drains that state none."""
+    return {(plan.name, at + preemption.UNSTATED_DEADLINE_SECONDS) for plan in schedule.regions
+            for at, left in plan.notices if left is None}
+
+
 @pytest.mark.parametrize("what, strategy, reached", [
     ("a window ended early and its group waited for the deadline on its checkpoint", lone_noticed(),
-     lambda out: bool(out.early) and any(what == "kept" for _, _, what in out.deadlines)),
+     lambda schedule, out: bool(out.early) and any(what == "kept" for _, _, what in out.deadlines)),
     ("a group waited for the deadline on a whole window's checkpoint (no window ended early)", lone_noticed(),
-     lambda out: any(what == "kept" for _, _, what in out.deadlines) and not out.early),
+     lambda schedule, out: any(what == "kept" for _, _, what in out.deadlines) and not out.early),
+    ("a drain that stated no deadline: the group waited for Ray Train's on its checkpoint", lone_noticed(),
+     lambda schedule, out: any(what == "kept" and (name, at) in unstated_deadlines(schedule)
+                               for name, at, what in out.deadlines)),
     ("a window ended early was averaged with another region's whole one; all finished on one state",
      schedules(faults=False).flatmap(noticed),
-     lambda out: any(min(r["weights"].values()) < 1 == max(r["weights"].values()) for r in out.rounds)
+     lambda schedule, out: any(min(r["weights"].values()) < 1 == max(r["weights"].values()) for r in out.rounds)
      and len(out.finished) > 1),
+    ("a group woke from its wait for an unstated deadline before Ray Train's (the grace) and trained on",
+     schedules(hung=True).flatmap(noticed), lambda schedule, out: bool(out.woke_before_deadline)),
 ])
 def test_the_noticed_schedules_reach_each_path(what, strategy, reached, draws_independent_of_loaded_modules):
     try:
-        example = find(strategy, lambda schedule: reached(simulate(schedule)[0]), settings=SEARCH)
+        example = find(strategy, lambda schedule: reached(schedule, simulate(schedule)[0]), settings=SEARCH)
     except NoSuchExample:
         pytest.fail(f"no schedule of {EXAMPLES} reached: {what}")
     assert not simulate(example)[1]
@@ -141,6 +182,34 @@ def test_property_tests_find_each_fault_of_the_workers_old_rules(fault, draws_in
         pytest.fail(f"fault {fault}: no schedule of {EXAMPLES} lost the inner state")
     print(f"fault {fault}: found after {tried} schedule(s): {example}")
     assert not lost_inner_state(example)
+
+
+@PROPERTY_SETTINGS
+@given(schedules(faults=False).flatmap(noticed))
+def test_property_a_notice_that_came_in_a_blocking_round_keeps_that_round(draws_independent_of_loaded_modules,
+                                                                          schedule):
+    found = unkept_after_a_blocking_round(schedule)
+    assert not found, found
+
+
+def test_property_tests_find_the_workers_look_only_before_the_exchange(draws_independent_of_loaded_modules):
+    """The workers before c0395b8 looked for a notice before the exchange only, blocking rounds too: a notice that
+    came while they waited in the round was seen in the next window, at a mid-window look or not before the
+    deadline. Hypothesis must find a schedule where that costs the inner state (the mid-window looks of 70aebf1
+    on, so it is this rule alone)."""
+    tried = 0
+
+    def broken(schedule):
+        nonlocal tried
+        tried += 1
+        return bool(unkept_after_a_blocking_round(schedule, Rules(looks_after_round=False)))
+
+    try:
+        example = find(schedules(faults=False).flatmap(noticed), broken, settings=SEARCH)
+    except NoSuchExample:
+        pytest.fail(f"no schedule of {EXAMPLES} lost a round that came with its notice under the old rule")
+    print(f"the look before the exchange only: found after {tried} schedule(s): {example}")
+    assert not unkept_after_a_blocking_round(example)
 
 
 def test_with_several_regions_an_early_round_can_outlive_its_group(draws_independent_of_loaded_modules):
@@ -181,3 +250,20 @@ def test_a_notice_after_an_overlapped_hand_in_cuts_the_window_off_and_is_no_viol
     out, found = simulate(schedule)
     assert not found, found
     assert out.deadlines == [("a", 45.0, "cut off")]
+
+
+def test_a_restart_while_the_workers_are_in_the_round_leaves_no_checkpoint_of_its_step():
+    """The simulator's fidelity, as for a deadline ("outlived"): a group that Ray Train restarts while its workers
+    wait in the round (a hands in at 10 s, b at 14 s) saves no worker part of the round's step, so the SyncActor
+    commits no checkpoint of it; the next group starts `restart_seconds` after the restart, from the state after
+    the round. Before, the simulator committed the checkpoint and a's next window began as the round ended."""
+    schedule = Schedule((RegionPlan("a", 10.0, restarts=(13.5,)), RegionPlan("b", 14.0)), target=2,
+                        restart_seconds=2.0)
+    simulator = Simulator(schedule, Rules())
+    out = simulator.run()
+    assert not violations(schedule, out), violations(schedule, out)
+    assert sorted(simulator.checkpoints["a"]) == [2] and sorted(simulator.checkpoints["b"]) == [1, 2]
+    ready = {(step, name): when for step, name, when in out.ready}
+    assert ready[(1, "a")] == pytest.approx(13.5 + 2.0 + 10.0)  # the restarted group's first window
+    assert out.restarted_in_round == [("a", 13.5, 1)]
+    assert out.finished["a"] == out.finished["b"]
