@@ -8,17 +8,23 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
 import ray
 
 import leftovers
+from leftovers import descendants
 
 from ray_diloco.config import RegionConfig
 from ray_diloco.presets import tiny_cpu
 
 RAY = str(Path(sys.executable).with_name("ray"))  # the `ray` command of this environment
+
+# multiprocessing's resource tracker lives as long as pytest once a module spawns a process: started now, before any
+# module's mark (tests/leftovers.py), so that no module is taken to have left it running.
+resource_tracker.ensure_running()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -47,13 +53,13 @@ def no_ray_left_behind(request):
     would fail, or a run would attach to the leftover Ray (CI saw both, after Ray Data auto-started one). So does
     a module that leaves a process of its own running (tests/leftovers.py: found by a mark in its environment,
     wherever it was re-parented to), after the processes of a cluster just shut down had time to exit."""
-    mark = leftovers.mark_for(request.module.__name__)
+    mark, since = leftovers.mark_for(request.module.__name__), leftovers.clock_ticks_now()
     os.environ[leftovers.MARK] = mark  # inherited by every process the module starts
     yield
     initialized = ray.is_initialized()
     if initialized:
         ray.shutdown()
-    left = leftovers.left_behind(mark, grace_seconds=30.0)
+    left = leftovers.left_behind(mark, since, grace_seconds=30.0)
     os.environ.pop(leftovers.MARK, None)
     if initialized:
         pytest.fail(f"{request.module.__name__} left Ray initialized in the pytest process", pytrace=False)
@@ -224,33 +230,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every process, from /proc (no psutil in the dependencies)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'.
-                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass  # gone meanwhile
-    return parents
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` now (children, their children, …)."""
-    children: dict[int, list[int]] = {}
-    for child, parent in _parents().items():
-        children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def kill(pids: list[int]) -> None:

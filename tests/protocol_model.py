@@ -47,8 +47,9 @@ class Rules:
     agreed_stop: bool = True
     # (the workers before 70aebf1) a preemption notice was looked for once a round, never mid-window
     looks_mid_window: bool = True
-    # (the workers before c0395b8) that look came before the exchange, blocking rounds too: a notice that came while
-    # the workers waited in a round was seen only in the next window, and that round was not checkpointed
+    # (the workers before c0395b8, who had no mid-window looks either) that look came before the exchange, blocking
+    # rounds too: a notice that came while the workers waited in a round was seen only in the next window, so they
+    # trained on instead of waiting for the deadline on that round's checkpoint
     looks_after_round: bool = True
     # A mutation, not an old rule (the workers have told the SyncActor of a notice since 0539e53): an overlapped round
     # under a notice, which cannot be checkpointed, as the property tests must catch

@@ -52,30 +52,32 @@ class Notices:
     def _believed_deadline(self, region: _Region, when: float) -> float | None:
         """The deadline the workers take at `when` (None: no notice stands), as `preemption.deadline_of`: the
         drain's own, or where it stated none, UNSTATED_DEADLINE_SECONDS after the group's last look that found no
-        notice (`region.looks`: its start counts as one WATCHER_LEAD_SECONDS earlier). Never later than Ray Train's;
-        the earliest of the notices standing (Ray Train may widen a notice to an earlier deadline)."""
+        notice (NoticeWatch.unseen_at: `region.looks` before the group's first notice; its start counts as one
+        WATCHER_LEAD_SECONDS earlier). Never later than Ray Train's; the earliest of the notices standing (Ray Train
+        may widen a notice to an earlier deadline)."""
+        arrived = [at for at, _ in region.plan.notices if region.group_started <= at <= when]
+        if not arrived:
+            return None
+        unseen_at = max((look for look in region.looks if look < min(arrived)), default=min(arrived))
         believed = []
         for at, left in region.plan.notices:
             actual = at + self._left(region.plan, left)
-            if at < region.group_started or not at <= when < actual:
-                continue
-            if left is None:
-                unseen_at = max((look for look in region.looks if look < at), default=at)
-                actual = unseen_at + self._left(region.plan, None)
-            believed.append(actual)
+            if at >= region.group_started and at <= when < actual:
+                believed.append(actual if left is not None else unseen_at + self._left(region.plan, None))
         return min(believed, default=None)
 
-    def _start_looking(self, region: _Region) -> None:
-        """A group starts: Ray Train's watcher started just before it, so its start counts as a look that much
+    def _start_looking(self, region: _Region, started: float) -> None:
+        """A group's train function starts at `started` with its notice watch (before it registers and waits in
+        resume_state); Ray Train's watcher started just before it, so that counts as a look WATCHER_LEAD_SECONDS
         earlier (NoticeWatch)."""
-        region.looks = [self.now - WATCHER_LEAD_SECONDS]
+        region.looks = [started - WATCHER_LEAD_SECONDS]
 
     def _group_ends(self, region: _Region) -> tuple[float, ...]:
         """When Ray Train ends the region's group: its restarts and its notices' deadlines."""
         return tuple(sorted(region.plan.restarts + tuple(deadline for _, deadline in self._notices(region))))
 
     def _deadline(self, region: _Region, when: float) -> float | None:
-        """The deadline of the notice the workers find at `when` (None: none stands)."""
+        """Ray Train's deadline of the notice the workers find at `when` (None: none stands)."""
         return min((deadline for at, deadline in self._notices(region) if at <= when < deadline), default=None)
 
     def _seconds_left(self, plan: RegionPlan, deadline: float, when: float) -> float:
@@ -110,26 +112,30 @@ class Notices:
 
     def _group_ended_in_round(self, region: _Region, came_in: float, until: float, early: bool):
         """Deadlines and the schedule's restarts that passed while the workers were in the exchange, from `came_in`
-        to `until` (the round's end, or an overlapped round's hand-in): the group is gone, so no checkpoint of the
-        round's step (the workers save their part before the SyncActor commits); a group Ray Train started meanwhile
-        waits in resume_state for the round, and its own notice may end it too. The next group starts
-        `restart_seconds` after the last. `early`: the round of a window ended early ("outlived early"). Returns
-        whether any did."""
-        name = region.plan.name
-        restarted = [t for t in region.plan.restarts if came_in < t <= until]
-        if restarted:  # the notices before a restart were the old group's
-            region.group_started = max(region.group_started, restarted[-1])
-            self.out.restarted_in_round += [(name, t, region.outer.step_count) for t in restarted]
-        ended = self._deadlines_between(region, came_in, until)
-        for deadline in ended:
-            self.out.deadlines.append((name, deadline, "outlived early" if early and deadline == ended[0]
-                                       else "outlived"))
-        if not ended and not restarted:
+        to `until` (the round's end, or an overlapped round's hand-in), in the order they came: each ends the group
+        there (the notices of the group Ray Train starts then are its own), so no checkpoint of the round's step (the
+        workers save their part before the SyncActor commits); the last group waits in resume_state for the round.
+        The next group starts `restart_seconds` after the last end. `early`: the round of a window ended early
+        ("outlived early", the first end). Returns whether any did."""
+        name, since, ended = region.plan.name, came_in, []
+        while True:
+            deadline = min((end for _, end in self._notices(region) if since < end <= until), default=None)
+            restart = min((t for t in region.plan.restarts if since < t <= until), default=None)
+            if deadline is None and restart is None:
+                break
+            if restart is not None and (deadline is None or restart < deadline):
+                self.out.restarted_in_round.append((name, restart, region.outer.step_count))
+                since = restart
+            else:
+                self.out.deadlines.append((name, deadline, "outlived early" if early and not ended else "outlived"))
+                since = deadline
+            region.group_started = since
+            ended.append(since)
+        if not ended:
             return False
-        region.group_started = max([region.group_started, *restarted, *ended])
-        yield max(0.0, region.group_started + self.s.restart_seconds - self.now)
+        yield max(0.0, since + self.s.restart_seconds - self.now)
         region.overlapped, region.round_ended = None, self.now
-        self._started_after_deadlines(region)
+        self._started_after_deadlines(region, since + self.s.restart_seconds)
         return True
 
     def _deadlines_between(self, region: _Region, since: float, until: float) -> list[float]:
@@ -150,14 +156,14 @@ class Notices:
         self.out.deadlines += [(region.plan.name, deadline, "outlived") for deadline in ended]
         return bool(ended)
 
-    def _started_after_deadlines(self, region: _Region) -> None:
+    def _started_after_deadlines(self, region: _Region, started: float | None = None) -> None:
         """A group starts training. Deadlines that passed before it trained: while the region's SyncActor started and
         joined, during Ray Train's restart, or while the group waited in resume_state for a round. Ray Train started
         it again; the group had trained nothing, so they cost nothing more ("restarting"; its start is not delayed
-        here)."""
+        here). `started`: when its train function started (now, unless it waited in resume_state since)."""
         self.out.deadlines += [(region.plan.name, deadline, "restarting")
                                for deadline in self._deadlines_between(region, float("-inf"), self.now)]
-        self._start_looking(region)
+        self._start_looking(region, self.now if started is None else started)
 
     def _no_deadline_passed(self, region: _Region) -> None:
         """The simulator's own check, as a group starts a window: every deadline of its notices that passed ended

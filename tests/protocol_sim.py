@@ -134,12 +134,13 @@ class Simulator(Hangs, Notices, DriverStops, World):
             region.overlapped = None  # from θ_global: the restarted group takes the actor's state
             region.group_started = max(restart, self.now)  # a notice from then on is the next group's
             yield max(restart, self.now) - self.now + s.restart_seconds
+            function_started = self.now  # its notice watch starts here, before resume_state waits
             if region.hung_node is not None:  # a round hung in flight: resume_state waits the bound, abandons it
                 yield self._bound()
                 self._node_answers(region)
                 self.out.abandoned_by_restart.append((name, region.outer.step_count))
             region.round_ended = self.now
-            self._started_after_deadlines(region)
+            self._started_after_deadlines(region, function_started)
             return None
         self._no_deadline_passed(region)
         yield end - self.now
@@ -163,6 +164,13 @@ class Simulator(Hangs, Notices, DriverStops, World):
         rendezvous, average and step. Returns True when the region ended."""
         name, rules, s = region.plan.name, self.rules, self.s
         came_in = self.now  # the workers are in the exchange from here: a deadline from now on ends them there
+        # The workers tell the SyncActor of a notice with their hand-in where the window ended early, or where rounds
+        # may overlap (they look before the exchange); without overlap they look after the round (_after_round).
+        early = trained < s.inner_steps
+        looks_before = s.overlap or not rules.looks_after_round
+        if looks_before and not early:  # (a window ended early stands under a notice already: no look)
+            region.looks.append(came_in)
+        told = early or (looks_before and self._deadline(region, came_in) is not None)
         if region.hung_node is not None:  # a round hung in flight is waited for first (SyncActorImpl._complete_round)
             if (yield from self._overdue_in_flight(region)) == policy.FAIL:
                 region.overlapped = None
@@ -179,13 +187,6 @@ class Simulator(Hangs, Notices, DriverStops, World):
                    if rules.blocking_time_deadline else self.now)
         region.overlapped = None
         finite = (name, window) not in s.nonfinite
-        # The workers tell the SyncActor of a notice with their hand-in where the window ended early, or where rounds
-        # may overlap (they looked before the exchange); without overlap they look after the round (_after_round).
-        early = trained < s.inner_steps
-        looks_before = s.overlap or not rules.looks_after_round
-        if looks_before:
-            region.looks.append(self.now)
-        told = early or (looks_before and self._deadline(region, self.now) is not None)
         if policy.may_overlap(overlap=s.overlap, reached=region.outer.step_count + 1, target=s.target,
                               checkpoint_every=s.checkpoint_every, stopping=self._stopping(region.plan), finite=finite,
                               notice=told and rules.notice_blocks):
@@ -292,7 +293,7 @@ class Simulator(Hangs, Notices, DriverStops, World):
             ended = ended or bool(cut)
         # Without overlap the workers look for a notice after the round; a group its deadline ended meanwhile is gone.
         looks_after = not s.overlap and self.rules.looks_after_round
-        if looks_after and not ended:
+        if looks_after and not ended and not early:  # (a window ended early stands under a notice already)
             region.looks.append(self.now)
         notice = told or (looks_after and self._deadline(region, self.now) is not None)
         # The workers save first, then the SyncActor commits: a group gone commits nothing, but the one Ray Train

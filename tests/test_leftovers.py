@@ -1,6 +1,8 @@
-"""The leftover-process check of every module (tests/leftovers.py) finds a process by its mark even after the
-process was re-parented, gives it the grace period, and kills it."""
+"""The leftover-process check of every module (tests/leftovers.py): a process the module started is found by its
+mark even after it was re-parented, and a process forked from pytest by its start time; each is given the grace
+period, then killed. What the module did not start is left alone."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -16,24 +18,34 @@ def orphan(env) -> int:
     return int(spawner.stdout)
 
 
-def test_a_process_left_behind_is_found_by_its_mark_and_killed():
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while leftovers._command(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not leftovers._command(pid)
+
+
+def test_a_process_left_behind_is_found_by_its_mark_or_start_and_killed():
     mark = leftovers.mark_for("leftover-self-test")
-    pid = orphan({**os.environ, leftovers.MARK: mark})
-    unmarked = orphan({k: v for k, v in os.environ.items() if k != leftovers.MARK})
+    unmarked = orphan({k: v for k, v in os.environ.items() if k != leftovers.MARK})  # started before: not ours
+    since = leftovers.clock_ticks_now()
+    marked = orphan({**os.environ, leftovers.MARK: mark})
+    forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    forked.start()  # its environment is pytest's own at exec, without the mark
     try:
         started = time.monotonic()
-        left = leftovers.left_behind(mark, grace_seconds=1.0)
-        assert list(left) == [pid] and "sleep 60" in left[pid]
-        assert time.monotonic() - started >= 1.0  # it waited the grace period for the process to exit
-        deadline = time.monotonic() + 10
-        while pid in leftovers.marked(mark) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert pid not in leftovers.marked(mark)  # killed
+        left = leftovers.left_behind(mark, since, grace_seconds=1.0)
+        assert sorted(left) == sorted([marked, forked.pid]) and "sleep 60" in left[marked], left
+        assert time.monotonic() - started >= 1.0  # it waited the grace period for them to exit
+        assert gone(marked)
+        forked.join(10)
+        assert forked.exitcode == -9  # killed
+        assert not gone(unmarked, timeout=0.0)
     finally:
         os.kill(unmarked, 9)
 
 
 def test_a_process_that_exits_within_the_grace_period_is_not_reported():
-    mark = leftovers.mark_for("leftover-self-test-exits")
+    mark, since = leftovers.mark_for("leftover-self-test-exits"), leftovers.clock_ticks_now()
     subprocess.Popen(["sleep", "1"], env={**os.environ, leftovers.MARK: mark})
-    assert leftovers.left_behind(mark, grace_seconds=10.0) == {}
+    assert leftovers.left_behind(mark, since, grace_seconds=10.0) == {}
