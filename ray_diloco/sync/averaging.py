@@ -48,6 +48,7 @@ from ray_diloco.sync.codecs import CODEC_NAMES, count_nonfinite, get_codec
 from ray_diloco.sync.hivemind_exact import ExactAverager
 from ray_diloco.sync.wire_codecs import make_wire_codec
 from ray_diloco.sync.outer import state_digest
+from ray_diloco.sync.parent_bound import ParentBoundDHT
 
 logger = logging.getLogger(__name__)
 PREPARE_WAIT_SECONDS = 10.0  # a round waits this long for the prepared averager's start, then starts its own
@@ -219,8 +220,8 @@ class RegionAverager:
             kwargs = dict(announce_maddrs=announce_maddrs) if announce_maddrs else {}
             if secret:
                 kwargs["record_validators"] = [RecordAuthenticator(secret, run_id)]
-            dht = DHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host, port)], start=True,
-                      **kwargs)
+            dht = ParentBoundDHT(initial_peers=initial_peers or None, host_maddrs=[_listen_maddr(host, port)],
+                                 start=True, **kwargs)
         self.dht = dht
 
     def _report_rejection(self, peer, what: str) -> None:  # in the round's averager process

@@ -83,6 +83,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from ray_diloco.sync.auth import MemberGate
 from ray_diloco.sync.clipped_reducer import ClippedPartReducer
+from ray_diloco.sync.parent_bound import exit_with_parent
 from ray_diloco.sync.wire_codecs import check_part, decode_part, roundtrip
 
 logger = get_logger(__name__)
@@ -343,6 +344,7 @@ class ExactAverager(DecentralizedAverager):
             self.wait_until_ready(timeout)
 
     def run(self):
+        exit_with_parent()  # a SyncActor process killed outright must not leave its round's averager running
         try:  # in the child: the forking thread is its main thread now
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         except ValueError:

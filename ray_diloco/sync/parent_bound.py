@@ -1,0 +1,67 @@
+"""Hivemind's processes end with the SyncActor's process that forked them.
+
+Hivemind runs the DHT node and each round's averager in processes forked from the SyncActor's (multiprocessing
+"fork"), and the DHT's process starts the p2p daemon. Where the SyncActor's process dies without shutting them down
+(a SIGKILL from its dying raylet, the OOM killer, `ray stop --force`, a node's process group signalled), they were
+re-parented and ran on for ever: eight of them, and four p2p daemons, after a local run's process group got SIGTERM
+(its raylet and GCS died with it, the actors after them). Each such process now watches its parent from inside and,
+once it is gone, ends its own children (the p2p daemon) and itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+from hivemind import DHT
+
+POLL_SECONDS = 1.0  # how soon a process notices that its parent is gone
+
+
+def exit_with_parent(poll_seconds: float = POLL_SECONDS) -> None:
+    """In a forked child, first thing: a daemon thread that kills this process's children and then this process once
+    its parent (the process that forked it) is gone. Polls the parent pid: unlike PR_SET_PDEATHSIG, which fires when
+    the forking *thread* ends (a Ray actor forks from executor threads that come and go)."""
+    parent = mp.parent_process()
+    parent_pid = parent.pid if parent is not None else os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_seconds)
+        for child in children_of(os.getpid()):
+            _kill(child)
+        _kill(os.getpid())
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` now (from /proc; none where there is no /proc)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:  # comm may hold spaces and ')'
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class ParentBoundDHT(DHT):
+    """Hivemind's DHT node, whose process (and p2p daemon) ends with the process that started it."""
+
+    def run(self) -> None:
+        exit_with_parent()
+        super().run()
