@@ -3,57 +3,68 @@ process killed outright (a dying raylet's SIGKILL) left its DHT node, its p2p da
 running for ever. Here the forking process is a Python process of the test's own, SIGKILLed."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 
-from ray_diloco.sync.parent_bound import children_of
+from leftovers import descendants
+
+from ray_diloco.sync.parent_bound import _alive
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not reaped
-    except OSError:
-        return False
-
-
-def gone_within(pids: list[int], seconds: float) -> list[int]:
-    """Those of `pids` still alive after `seconds`."""
+def still_alive_after(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return [pid for pid in pids if alive(pid)]
+    return [pid for pid in pids if _alive(pid)]
 
 
-def forking_process(code: str) -> tuple[subprocess.Popen, int]:
-    """A Python process that runs `code` (which prints the pid of the process it forked) and then waits."""
+def killed_parent_takes(code: str, seconds: float) -> tuple[list[int], list[int]]:
+    """Runs `code` in a Python process of its own (it prints one line: the pids of the processes it forked, then
+    waits), SIGKILLs that process, and returns (the processes below it just before, those still alive `seconds`
+    later). Whatever is left is killed."""
     process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code) + "\nimport time; time.sleep(300)"],
                                stdout=subprocess.PIPE, text=True)
-    return process, int(process.stdout.readline())
+    below = []
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], 120)
+        assert ready, "the forking process printed nothing within 120 s"
+        forked = [int(pid) for pid in process.stdout.readline().split()]
+        below = descendants(process.pid)
+        assert set(forked) <= set(below), (forked, below)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        return below, still_alive_after(below, seconds)
+    finally:
+        for pid in [process.pid, *below]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
-def test_the_dht_process_and_its_p2p_daemon_end_with_the_process_that_started_them():
-    process, dht_pid = forking_process("""
-        from ray_diloco.sync.parent_bound import ParentBoundDHT
-        dht = ParentBoundDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        print(dht.pid, flush=True)
-    """)
-    daemons = children_of(dht_pid)
-    assert daemons, "the DHT's process started no p2p daemon"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    left = gone_within([dht_pid, *daemons], seconds=15)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+def test_a_region_averagers_processes_end_with_the_process_that_holds_it():
+    """The DHT node, its p2p daemon, and the averager prepared for the next round after a round (one region
+    expecting two: the round ends alone, after matchmaking)."""
+    below, left = killed_parent_takes("""
+        import torch
+        from ray_diloco.sync.averaging import RegionAverager
+        from ray_diloco.sync.parent_bound import children_of
+        averager = RegionAverager(run_id="bound", region="a", expected_regions=2, matchmaking_seconds=1.0,
+                                  averaging_timeout=3.0)
+        averager.average({"x": torch.randn(8)}, 1.0, 0, expected_regions=2)
+        averager._preparing.join(60)
+        print(*children_of(__import__("os").getpid()), flush=True)
+    """, seconds=15)
+    assert len(below) >= 3, f"expected the DHT, its p2p daemon and a prepared averager: {below}"
     assert not left, f"still running after their parent was killed: {left}"
 
 
 def test_a_forked_process_that_watches_its_parent_ends_with_it_and_takes_its_children():
-    """The mechanism the round's averager (hivemind_exact.ExactAverager.run) uses too."""
-    process, child_pid = forking_process("""
+    below, left = killed_parent_takes("""
         import multiprocessing as mp, subprocess, time
         from ray_diloco.sync.parent_bound import exit_with_parent
         def run():
@@ -62,16 +73,8 @@ def test_a_forked_process_that_watches_its_parent_ends_with_it_and_takes_its_chi
             time.sleep(300)
         child = mp.get_context("fork").Process(target=run, daemon=True)
         child.start()
+        time.sleep(1)
         print(child.pid, flush=True)
-    """)
-    deadline = time.monotonic() + 10
-    while not children_of(child_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    grandchildren = children_of(child_pid)
-    assert grandchildren
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    left = gone_within([child_pid, *grandchildren], seconds=10)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    """, seconds=10)
+    assert len(below) == 2, below  # the child and its `sleep`
     assert not left, f"still running after their parent was killed: {left}"

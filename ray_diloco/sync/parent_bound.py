@@ -1,11 +1,12 @@
 """Hivemind's processes end with the SyncActor's process that forked them.
 
-Hivemind runs the DHT node and each round's averager in processes forked from the SyncActor's (multiprocessing
-"fork"), and the DHT's process starts the p2p daemon. Where the SyncActor's process dies without shutting them down
+Hivemind runs the DHT node and each round's averager in child processes of the SyncActor's (forked: the DHT always,
+the averager by Python's default start method on Linux), and the DHT's process starts the p2p daemon. Where the SyncActor's process dies without shutting them down
 (a SIGKILL from its dying raylet, the OOM killer, `ray stop --force`, a node's process group signalled), they were
 re-parented and ran on for ever: eight of them, and four p2p daemons, after a local run's process group got SIGTERM
 (its raylet and GCS died with it, the actors after them). Each such process now watches its parent from inside and,
-once it is gone, ends its own children (the p2p daemon) and itself.
+once it is gone, ends its own children (the p2p daemon) and itself. Killed so, they leave Hivemind's socket files
+in /tmp behind (a few bytes each).
 """
 
 from __future__ import annotations
@@ -22,17 +23,24 @@ POLL_SECONDS = 1.0  # how soon a process notices that its parent is gone
 
 
 def exit_with_parent(poll_seconds: float = POLL_SECONDS) -> None:
-    """In a forked child, first thing: a daemon thread that kills this process's children and then this process once
-    its parent (the process that forked it) is gone. Polls the parent pid: unlike PR_SET_PDEATHSIG, which fires when
-    the forking *thread* ends (a Ray actor forks from executor threads that come and go)."""
+    """In a child process, first thing: a daemon thread that kills this process's children and then this process
+    once its parent (the process that started it) is gone. Polls rather than PR_SET_PDEATHSIG, which fires when the
+    forking *thread* ends (a Ray actor forks from executor threads that come and go)."""
     parent = mp.parent_process()
     parent_pid = parent.pid if parent is not None else os.getppid()
+    # Forked by the parent itself (hivemind's processes: fork), this process is re-parented once the parent dies;
+    # started through a forkserver, its parent process is the server, so the parent's pid is watched instead.
+    forked_by_parent = os.getppid() == parent_pid
+
+    def gone() -> bool:
+        return os.getppid() != parent_pid if forked_by_parent else not _alive(parent_pid)
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while not gone():
             time.sleep(poll_seconds)
-        for child in children_of(os.getpid()):
-            _kill(child)
+        for _ in range(3):  # again, for a child started as the first were killed (the p2p daemon at start-up)
+            for child in children_of(os.getpid()):
+                _kill(child)
         _kill(os.getpid())
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
@@ -50,6 +58,14 @@ def children_of(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 pass  # gone meanwhile
     return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not reaped
+    except OSError:
+        return False
 
 
 def _kill(pid: int) -> None:
