@@ -20,7 +20,8 @@ AGGREGATIONS = ("mean", "clipped")  # how a round combines the regions' contribu
 # coefficients; fp16 values and 6-bit indices: 0.69 bit per parameter, 23× fewer bytes than fp16 DiLoCo, for
 # the issue's bar of 16×), with SparseLoCo's per-round β = 0.95 (one decay per round of H steps, not per step).
 DEFAULTS = {"sparseloco": {"chunk_size": 4096, "topk": 128}, "dct": {"chunk_size": 64, "topk": 2}}
-# SparseLoCo's outer learning rate α (plain SGD); dct's too, the lowest of its sweep (docs/benchmarks.md)
+# SparseLoCo's outer learning rate α (plain SGD); dct's too (its validation sweep's best, 1.6, is 0.04 lower: inside
+# the noise of one short seed, docs/benchmarks.md)
 COMPRESSED_LR = 1.0
 
 
