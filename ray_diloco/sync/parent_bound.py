@@ -1,12 +1,12 @@
 """Hivemind's processes end with the SyncActor's process that forked them.
 
 Hivemind runs the DHT node and each round's averager in child processes of the SyncActor's (forked: the DHT always,
-the averager by Python's default start method on Linux), and the DHT's process starts the p2p daemon. Where the SyncActor's process dies without shutting them down
-(a SIGKILL from its dying raylet, the OOM killer, `ray stop --force`, a node's process group signalled), they were
-re-parented and ran on for ever: eight of them, and four p2p daemons, after a local run's process group got SIGTERM
-(its raylet and GCS died with it, the actors after them). Each such process now watches its parent from inside and,
-once it is gone, ends its own children (the p2p daemon) and itself. Killed so, they leave Hivemind's socket files
-in /tmp behind (a few bytes each).
+the averager by Python's default start method on Linux), and the DHT's process starts the p2p daemon. Where the
+SyncActor's process dies without shutting them down (a SIGKILL from its dying raylet, the OOM killer, `ray stop
+--force`, a node's process group signalled), they were re-parented and ran on for ever: eight of them, and four p2p
+daemons, after a local run's process group got SIGTERM (its raylet and GCS died with it, the actors after them).
+Each such process now watches its parent from inside and, once it is gone, ends its own children (the p2p daemon)
+and itself. Killed so, they leave Hivemind's socket files in /tmp behind (a few bytes each).
 """
 
 from __future__ import annotations
