@@ -30,6 +30,7 @@ from typing import NamedTuple
 import ray
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
 from conftest import RAY, descendants, free_port, kill
+from leftovers import carries
 from ray_diloco.driver import REGION_LABEL
 
 
@@ -188,14 +189,7 @@ def node_processes(node_id: str, head_pid: int) -> list[int]:
     node's id in their environment, which the raylet's workers inherit. Node ids repeat from one head to the next,
     so only this head's descendants count."""
     marker = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode()
-    found = []
-    for pid in descendants(head_pid):
-        try:
-            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                found.append(pid)
-        except OSError:
-            continue  # gone meanwhile
-    return found
+    return [pid for pid in descendants(head_pid) if carries(pid, marker)]
 
 
 def one_region_head(tmp: Path, region: str, idle_minutes: float) -> AutoscalingHead:

@@ -19,6 +19,7 @@ from leftovers import descendants
 
 from ray_diloco.config import RegionConfig
 from ray_diloco.presets import tiny_cpu
+from ray_diloco.sync.parent_bound import alive
 
 RAY = str(Path(sys.executable).with_name("ray"))  # the `ray` command of this environment
 
@@ -239,15 +240,6 @@ def kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (an exited child not yet reaped still has a /proc entry)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def run_process_ids(run_name: str, regions: list[str]) -> list[int]:

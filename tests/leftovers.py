@@ -43,11 +43,11 @@ def descendants(pid: int, table: dict[int, tuple[int, int]] | None = None) -> li
     children: dict[int, list[int]] = {}
     for child, (parent, _) in (process_table() if table is None else table).items():
         children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
+    found, pending = [], [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
             found.append(child)
-            todo.append(child)
+            pending.append(child)
     return found
 
 
@@ -66,10 +66,11 @@ def _command(pid: int) -> str:
         return ""
 
 
-def _carries(pid: int, wanted: bytes) -> bool:
+def carries(pid: int, variable: bytes) -> bool:
+    """Whether the process's environment (as it was exec'd) holds `variable` (b"NAME=value")."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as file:
-            return wanted in file.read().split(b"\0")
+            return variable in file.read().split(b"\0")
     except OSError:  # gone meanwhile, or not ours to read
         return False
 
@@ -81,7 +82,7 @@ def started_by(mark: str, since_ticks: int) -> dict[int, str]:
     ours = set(descendants(os.getpid(), table))
     found = {}
     for pid, (_, started) in table.items():
-        if pid != os.getpid() and ((pid in ours and started >= since_ticks) or _carries(pid, wanted)):
+        if pid != os.getpid() and ((pid in ours and started >= since_ticks) or carries(pid, wanted)):
             if command := _command(pid):
                 found[pid] = command
     return found

@@ -8,24 +8,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
+from conftest import assert_gone
 from leftovers import descendants
 
-from ray_diloco.sync.parent_bound import _alive
 
-
-def still_alive_after(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [pid for pid in pids if _alive(pid)]
-
-
-def killed_parent_takes(code: str, seconds: float) -> tuple[list[int], list[int]]:
+def killed_parent_takes(code: str, seconds: float) -> list[int]:
     """Runs `code` in a Python process of its own (it prints one line: the pids of the processes it forked, then
-    waits), SIGKILLs that process, and returns (the processes below it just before, those still alive `seconds`
-    later). Whatever is left is killed."""
+    waits), SIGKILLs that process, asserts that the processes below it just before are gone `seconds` later, and
+    returns them. Whatever is left is killed."""
     process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code) + "\nimport time; time.sleep(300)"],
                                stdout=subprocess.PIPE, text=True)
     below = []
@@ -37,7 +28,8 @@ def killed_parent_takes(code: str, seconds: float) -> tuple[list[int], list[int]
         assert set(forked) <= set(below), (forked, below)
         process.send_signal(signal.SIGKILL)
         process.wait()
-        return below, still_alive_after(below, seconds)
+        assert_gone(below, timeout=seconds)
+        return below
     finally:
         for pid in [process.pid, *below]:
             try:
@@ -49,7 +41,7 @@ def killed_parent_takes(code: str, seconds: float) -> tuple[list[int], list[int]
 def test_a_region_averagers_processes_end_with_the_process_that_holds_it():
     """The DHT node, its p2p daemon, and the averager prepared for the next round after a round (one region
     expecting two: the round ends alone, after matchmaking)."""
-    below, left = killed_parent_takes("""
+    below = killed_parent_takes("""
         import torch
         from ray_diloco.sync.averaging import RegionAverager
         from ray_diloco.sync.parent_bound import children_of
@@ -60,11 +52,10 @@ def test_a_region_averagers_processes_end_with_the_process_that_holds_it():
         print(*children_of(__import__("os").getpid()), flush=True)
     """, seconds=15)
     assert len(below) >= 3, f"expected the DHT, its p2p daemon and a prepared averager: {below}"
-    assert not left, f"still running after their parent was killed: {left}"
 
 
 def test_a_forked_process_that_watches_its_parent_ends_with_it_and_takes_its_children():
-    below, left = killed_parent_takes("""
+    below = killed_parent_takes("""
         import multiprocessing as mp, subprocess, time
         from ray_diloco.sync.parent_bound import exit_with_parent
         def run():
@@ -77,4 +68,3 @@ def test_a_forked_process_that_watches_its_parent_ends_with_it_and_takes_its_chi
         print(child.pid, flush=True)
     """, seconds=10)
     assert len(below) == 2, below  # the child and its `sleep`
-    assert not left, f"still running after their parent was killed: {left}"

@@ -33,7 +33,7 @@ def exit_with_parent(poll_seconds: float = POLL_SECONDS) -> None:
     forked_by_parent = os.getppid() == parent_pid
 
     def gone() -> bool:
-        return os.getppid() != parent_pid if forked_by_parent else not _alive(parent_pid)
+        return os.getppid() != parent_pid if forked_by_parent else not alive(parent_pid)
 
     def watch() -> None:
         while not gone():
@@ -60,10 +60,11 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child not yet reaped still has a /proc entry)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not reaped
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 
