@@ -19,7 +19,8 @@ Checks that:
   one that stalls mid-all-reduce: both return by averaging_timeout (+ shutdown) with consistent=False;
 * bad arguments (unknown codec, weight <= 0, a Δ with NaN/inf) are refused;
 * the next round's averager starts after a round, off the next round's critical path, and only that round
-  uses it (a re-synced region's other round starts its own);
+  uses it (a re-synced region's other round starts its own); no round's averager leaves its p2p client's socket
+  file in /tmp;
 * the step's result is awaited in 0.5 s slices whose timeout is caught also as Python 3.10 raises it
   (concurrent.futures.TimeoutError, a class of its own before 3.11).
 """
@@ -34,12 +35,14 @@ import time
 
 import pytest
 import torch
+from leftovers import descendants
 
 from ray_diloco.sync import averaging
 from ray_diloco.sync.averaging import RegionAverager, RoundResult, round_prefix
 from ray_diloco.sync.codecs import get_codec, power_of_two_scale
 from ray_diloco.sync.hivemind_exact import ExactAllReduceRunner
 from ray_diloco.sync.outer import weighted_average
+from ray_diloco.sync.parent_bound import socket_files
 
 MM = 2.0  # matchmaking_seconds in the timing tests
 SHAPES = {"emb": (257, 96), "w": (64, 33, 3), "b": (17,), "s": ()}
@@ -446,9 +449,10 @@ def test_bad_arguments_are_refused():
 def test_the_next_rounds_averager_is_started_after_a_round_and_used_only_by_that_round():
     """Rounds 0, 1, 3: round 1 takes the averager started after round 0 (no start on its critical path);
     round 3 is not the prepared round 2, so it starts its own (the prepared one is shut down). Every round
-    still gathers both regions with identical results."""
+    still gathers both regions with identical results. No averager leaves its p2p client's socket file behind."""
     regions = start_regions(2, run_id="prepared", matchmaking_seconds=2.0)
     started = {region.region: [] for region in regions}  # (round, started ahead by _prepare?)
+    clients: set[str] = set()  # socket files of the p2p clients of the prepared averagers (and of the DHTs)
     for region in regions:
         def counted(key, deadline, start=region._start_averager, name=region.region):
             started[name].append((key[0], threading.current_thread().name.endswith("(_prepare)")))
@@ -461,6 +465,7 @@ def test_the_next_rounds_averager_is_started_after_a_round_and_used_only_by_that
                                               for i, r in enumerate(regions)])
             for r in regions:  # as the inner steps would: the preparation has time to finish
                 r._preparing.join()
+            clients |= socket_files(descendants(os.getpid()), "hivemind-p2pclient")
     finally:
         shutdown(regions)
     for round_results in results.values():
@@ -469,3 +474,7 @@ def test_the_next_rounds_averager_is_started_after_a_round_and_used_only_by_that
     for region in regions:
         assert started[region.region] == [(0, False), (1, True), (2, True), (3, False), (4, True)], started
     assert all(r._prepared is None for r in regions)  # shut down with the regions
+    # Each averager's process made its own client of its DHT's p2p daemon, and a socket file for it; stock hivemind
+    # left every one in /tmp (one per round and region).
+    assert len(clients) >= 2 * 3, clients  # the prepared averagers of rounds 1, 2 and 4, in both regions
+    assert not [path for path in clients if os.path.exists(path)]

@@ -1,6 +1,7 @@
 """Hivemind's processes end with the process that forked them (ray_diloco/sync/parent_bound.py): a SyncActor's
 process killed outright (a dying raylet's SIGKILL) left its DHT node, its p2p daemon and its round's averager
-running for ever. Here the forking process is a Python process of the test's own, SIGKILLed."""
+running for ever, and their socket files stayed in /tmp. Here the forking process is a Python process of the
+test's own, SIGKILLed."""
 
 import os
 import select
@@ -12,11 +13,13 @@ import textwrap
 from conftest import assert_gone
 from leftovers import descendants
 
+from ray_diloco.sync.parent_bound import HIVEMIND_SOCKETS, socket_files
 
-def killed_parent_takes(code: str, seconds: float) -> list[int]:
+
+def killed_parent_takes(code: str, seconds: float) -> tuple[list[int], set[str]]:
     """Runs `code` in a Python process of its own (it prints one line: the pids of the processes it forked, then
     waits), SIGKILLs that process, asserts that the processes below it just before are gone `seconds` later, and
-    returns them. Whatever is left is killed."""
+    so are the Hivemind socket files they held; returns both. Whatever is left is killed."""
     process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code) + "\nimport time; time.sleep(300)"],
                                stdout=subprocess.PIPE, text=True)
     below = []
@@ -26,10 +29,12 @@ def killed_parent_takes(code: str, seconds: float) -> list[int]:
         forked = [int(pid) for pid in process.stdout.readline().split()]
         below = descendants(process.pid)
         assert set(forked) <= set(below), (forked, below)
+        files = socket_files(below, HIVEMIND_SOCKETS)
         process.send_signal(signal.SIGKILL)
         process.wait()
         assert_gone(below, timeout=seconds)
-        return below
+        assert not [path for path in files if os.path.exists(path)]
+        return below, files
     finally:
         for pid in [process.pid, *below]:
             try:
@@ -41,7 +46,7 @@ def killed_parent_takes(code: str, seconds: float) -> list[int]:
 def test_a_region_averagers_processes_end_with_the_process_that_holds_it():
     """The DHT node, its p2p daemon, and the averager prepared for the next round after a round (one region
     expecting two: the round ends alone, after matchmaking)."""
-    below = killed_parent_takes("""
+    below, files = killed_parent_takes("""
         import torch
         from ray_diloco.sync.averaging import RegionAverager
         from ray_diloco.sync.parent_bound import children_of
@@ -52,10 +57,13 @@ def test_a_region_averagers_processes_end_with_the_process_that_holds_it():
         print(*children_of(__import__("os").getpid()), flush=True)
     """, seconds=15)
     assert len(below) >= 3, f"expected the DHT, its p2p daemon and a prepared averager: {below}"
+    # the daemon's, and the averager's client's (its stream handlers listen on a socket of its own; the DHT's unary
+    # handlers go through the daemon's)
+    assert sum("p2pd" in path for path in files) == 1 and sum("p2pclient" in path for path in files) >= 1, files
 
 
 def test_a_forked_process_that_watches_its_parent_ends_with_it_and_takes_its_children():
-    below = killed_parent_takes("""
+    below, _ = killed_parent_takes("""
         import multiprocessing as mp, subprocess, time
         from ray_diloco.sync.parent_bound import exit_with_parent
         def run():

@@ -417,12 +417,18 @@ class ExactAverager(DecentralizedAverager):
     async def _shutdown(self, timeout: Optional[float]) -> None:
         # Stock calls .finalize() on the asyncio.Future of each running group (an AttributeError);
         # finalize the runner it holds instead, which also tells its peers that we cancelled.
-        await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
-        for future in self._running_groups.values():
-            if not future.done():
-                future.cancel()
-            elif not future.cancelled() and future.exception() is None:
-                future.result().finalize(cancel=True)
+        try:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            for future in self._running_groups.values():
+                if not future.done():
+                    future.cancel()
+                elif not future.cancelled() and future.exception() is None:
+                    future.result().finalize(cancel=True)
+        finally:
+            # Stock leaves this process's client of the DHT's p2p daemon open: the process exits, but its socket
+            # file stays in /tmp, one per round and region (thousands over a run). Closing it removes the file.
+            with contextlib.suppress(Exception):
+                await self._p2p.shutdown()
 
     def shutdown(self) -> None:
         """Stop the child (terminate, then kill, if it does not exit in time) and the host-side thread."""

@@ -6,11 +6,13 @@ SyncActor's process dies without shutting them down (a SIGKILL from its dying ra
 --force`, a node's process group signalled), they were re-parented and ran on for ever: eight of them, and four p2p
 daemons, after a local run's process group got SIGTERM (its raylet and GCS died with it, the actors after them).
 Each such process now watches its parent from inside and, once it is gone, ends its own children (the p2p daemon)
-and itself. Killed so, they leave Hivemind's socket files in /tmp behind (a few bytes each).
+and itself, removing first the socket files in /tmp that Hivemind's processes among them were listening on (a
+process killed outright cannot remove its own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -20,6 +22,7 @@ import time
 from hivemind import DHT
 
 POLL_SECONDS = 1.0  # how soon a process notices that its parent is gone
+HIVEMIND_SOCKETS = "/hivemind-"  # in the paths of the p2p daemon's and its clients' socket files (/tmp/hivemind-…)
 
 
 def exit_with_parent(poll_seconds: float = POLL_SECONDS) -> None:
@@ -38,9 +41,15 @@ def exit_with_parent(poll_seconds: float = POLL_SECONDS) -> None:
     def watch() -> None:
         while not gone():
             time.sleep(poll_seconds)
+        files = set()
         for _ in range(3):  # again, for a child started as the first were killed (the p2p daemon at start-up)
-            for child in children_of(os.getpid()):
+            children = children_of(os.getpid())
+            files |= socket_files([os.getpid(), *children], HIVEMIND_SOCKETS)
+            for child in children:
                 _kill(child)
+        for path in files:
+            with contextlib.suppress(OSError):
+                os.remove(path)
         _kill(os.getpid())
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
@@ -58,6 +67,29 @@ def children_of(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 pass  # gone meanwhile
     return found
+
+
+def socket_files(pids: list[int], containing: str = "") -> set[str]:
+    """The paths of the unix sockets that the processes `pids` hold now (a listening socket's file, and the
+    connections it accepted), those whose path contains `containing`. From /proc: each fd's socket inode, and the
+    path /proc/net/unix gives that inode (empty where there is no /proc)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[len("socket:["):-1])
+    paths = set()
+    with contextlib.suppress(OSError):
+        with open("/proc/net/unix") as table:
+            next(table)  # "Num RefCount Protocol Flags Type St Inode Path"
+            for line in table:
+                fields = line.split()
+                if len(fields) >= 8 and fields[6] in inodes and containing in fields[7]:
+                    paths.add(fields[7])
+    return paths
 
 
 def alive(pid: int) -> bool:
