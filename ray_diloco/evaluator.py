@@ -25,12 +25,15 @@ class EvaluatorImpl:
         self.windows = windows
         self.curve: list[dict] = []
 
-    def evaluate(self, outer_step: int, state: dict[str, np.ndarray]) -> dict:
+    def evaluate(self, outer_step: int, state: dict[str, np.ndarray], tokens_per_worker: int | None = None) -> dict:
         """Held-out loss of `state` (full tensors, as `sharding.to_wire` sends them) after `outer_step` outer
-        steps (or H-step blocks in ddp/single)."""
+        steps (or H-step blocks in ddp/single). `tokens_per_worker`: what one worker of the region that sends it
+        trained so far (fewer than whole windows where a preemption notice ended one early); None: whole windows."""
         load_parameters(self.model, from_wire(state))
         loss, perplexity = evaluate_loss(self.model, self.windows, self.cfg.data.batch_size)
-        point = {"outer_step": outer_step, "tokens_per_worker": self.cfg.tokens_per_worker(outer_step),
+        if tokens_per_worker is None:
+            tokens_per_worker = self.cfg.tokens_per_worker(outer_step)
+        point = {"outer_step": outer_step, "tokens_per_worker": tokens_per_worker,
                  "eval_loss": loss, "eval_perplexity": perplexity}
         self.curve.append(point)
         metrics.safely(metrics.record_eval, self.cfg.run.name, outer_step, loss, perplexity)

@@ -64,9 +64,18 @@ def eval_curve(cfg: ExperimentConfig, outcome: TrainingOutcome, eval_start: floa
     curve = [{"outer_step": 0, "tokens_per_worker": 0, "eval_loss": eval_start}, *outcome.curve]
     final = outcome.final_outer_step()
     if curve[-1]["outer_step"] != final:
-        curve.append({"outer_step": final, "tokens_per_worker": cfg.tokens_per_worker(final), "eval_loss": eval_loss,
-                      "eval_perplexity": eval_ppl})
+        curve.append({"outer_step": final, "tokens_per_worker": final_tokens_per_worker(cfg, outcome, final),
+                      "eval_loss": eval_loss, "eval_perplexity": eval_ppl})
     return curve
+
+
+def final_tokens_per_worker(cfg: ExperimentConfig, outcome: TrainingOutcome, final: int) -> int:
+    """What one worker trained by the end, as the evaluator's points count it: by the first of the driver's regions
+    that reached `final` (the evaluator's), where its SyncActor counted it (DiLoCo); else whole windows."""
+    for stats in outcome.stats:
+        if stats.get("outer_step") == final and "tokens_per_worker" in stats:
+            return int(stats["tokens_per_worker"])
+    return cfg.tokens_per_worker(final)
 
 
 def canonical_index(stats: list[dict]) -> int:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import small_run
+from ray_diloco.config import ExperimentConfig
+from ray_diloco.evaluator import EvaluatorImpl
+from ray_diloco.outcome import TrainingOutcome, eval_curve
 from ray_diloco.sharding import from_wire
 from ray_diloco.sync.outer import state_digest
 from ray_diloco.sync.actor import SyncActorImpl
@@ -401,3 +405,44 @@ def test_routine_events_log_at_info_and_the_rest_at_warning(caplog):
     assert levels == {"hivemind_started": info, "peer_connected": info, "group_resized": info,
                       "peer_rejected": warning, "checkpoint_failed": warning}
     assert [e["event"] for e in region.events] == list(levels)
+
+
+class CalledInPlace:
+    """What a Ray actor handle offers (`handle.method.remote(...)`), calling a plain instance of the actor's class in
+    place: the SyncActor hands θ to the evaluator actor so."""
+
+    def __init__(self, instance):
+        self.instance = instance
+
+    def __getattr__(self, name: str):
+        return SimpleNamespace(remote=getattr(self.instance, name))
+
+
+def test_the_evaluation_curve_counts_the_tokens_the_workers_trained(tmp_path):
+    """A window that a preemption notice ended early hands in fewer tokens than H steps': the curve's tokens per worker
+    grow by what was trained, not by a whole window per outer step (they did, as outer_step × H). A region resumed
+    from its checkpoint goes on from the count it saved; the end's point of the curve counts as the region did."""
+    cfg = config(tmp_path, "worker-tokens", [1], outer_steps=3, eval_every=1)
+    window = ExperimentConfig.from_dict(cfg).tokens_per_worker(1)  # one worker's whole window
+    evaluator = EvaluatorImpl(cfg, torch.randint(0, 256, (2, 16)))
+    actor = SyncActorImpl(cfg, "r0", evaluator=CalledInPlace(evaluator))
+    try:
+        asyncio.run(actor.exchange(0, 0, 1, trained(actor, 1), tokens=window))
+        asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), tokens=window // 4))  # 1 of H = 4 steps
+        assert asyncio.run(actor.commit_checkpoint(2, str(tmp_path / "workers-2"))) is not None
+    finally:
+        actor.shutdown()
+    resumed = SyncActorImpl(cfg, "r0", evaluator=CalledInPlace(evaluator), resume_step=2)
+    try:
+        asyncio.run(resumed.exchange(2, 0, 1, trained(resumed, 3), tokens=window))
+    finally:
+        resumed.shutdown()
+    assert [(p["outer_step"], p["tokens_per_worker"]) for p in evaluator.get_curve()] == [
+        (1, window), (2, window + window // 4), (3, 2 * window + window // 4)]
+    assert resumed.stats()["tokens_per_worker"] == 2 * window + window // 4
+    # The end's evaluation, where the evaluator made no point of that step (eval_every > 1), counts them too.
+    ended = TrainingOutcome(stats=[resumed.stats()], worker_results=[{"outer_step": 3}], finished=[0], final_state={},
+                            curve=evaluator.get_curve()[:2], data_counts={})
+    end = eval_curve(ExperimentConfig.from_dict(cfg), ended, 9.0, 5.0, 148.4)[-1]
+    assert (end["outer_step"], end["tokens_per_worker"]) == (3, 2 * window + window // 4)
+

@@ -175,6 +175,9 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self.bytes_sent = self.bytes_received = 0
         self.sync_seconds = 0.0
         self.tokens = 0
+        # What one of its workers trained so far (a window ended early by a preemption notice counts its own steps):
+        # the evaluation curve's tokens per worker.
+        self.worker_tokens = 0
         # Tests re-compute each outer step in plain PyTorch from what the region actually sent.
         self.record_rounds = record_rounds
         self.recorded: list[dict] = []
@@ -301,6 +304,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
     def stats(self) -> dict:
         return {
             "region": self.region, "outer_step": self.outer.step_count, "tokens": self.tokens,
+            "tokens_per_worker": self.worker_tokens,
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "sync_seconds": self.sync_seconds, "rounds": list(self.history), "digest": self.digest(),
             "record": dataclasses.asdict(self._published) if self._published else None,

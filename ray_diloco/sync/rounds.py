@@ -109,6 +109,7 @@ class Rounds:
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens
+        self.worker_tokens += round(tokens / max(1, len(pending.tokens_by_rank)))  # every rank trains as many steps
         # The transfer is what hivemind timed as its all-reduce; the rest of the averaging call is matchmaking.
         transfer = min(result.timings.get("allreduce", 0.0), reduce_seconds - rendezvous_seconds)
         phases = {"wait_for_shards": start - pending.first_in, "wait_for_peers": reduce_seconds - transfer,
@@ -118,7 +119,8 @@ class Rounds:
         self._record_round(outer_step, tokens, result, phases, pending, local, delta, new_global, peers)
         every = self.config.run.eval_every
         if self.evaluator is not None and every and (outer_step + 1) % every == 0:
-            self.evaluator.evaluate.remote(outer_step + 1, to_wire(new_global))  # Ray copies it here
+            # Ray copies θ here
+            self.evaluator.evaluate.remote(outer_step + 1, to_wire(new_global), self.worker_tokens)
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, result.group_size)
         if self.sharer is not None and self.outer.step_count >= self.config.run.outer_steps:
