@@ -64,6 +64,7 @@ class Arm:
     flags: tuple[str, ...] = ()  # more CLI flags (tune.py: the outer lr, the validation split)
     topk: int = 0
     seed: int = 0
+    warmup_steps: int | None = None  # the inner lr's warm-up (None: the preset's; tune.py sweeps it)
 
 
 def grid(workers: int, hs: list[int], seeds: list[int]) -> list[Arm]:
@@ -140,7 +141,8 @@ def arm_config(arm: Arm, args: argparse.Namespace) -> dict:
     run = {"eval_every": max(1, rounds // args.evals)}
     if arm.mode == "diloco":  # checkpoints (and so --resume) are DiLoCo's: a baseline arm interrupted starts again
         run["checkpoint_every"] = max(1, rounds // 4)
-    return {"data": {"batch_size": args.batch_size},
+    inner = {} if arm.warmup_steps is None else {"inner": {"warmup_steps": arm.warmup_steps}}
+    return {"data": {"batch_size": args.batch_size}, **inner,
             # Matchmaking waits for every region (a round starts once all are in): the long bound only keeps
             # regions that share 2 busy cores from averaging in part-groups. It changes no numerics.
             "outer": {"matchmaking_seconds": 120.0, "averaging_timeout": 300.0}, "run": run}

@@ -1,13 +1,16 @@
-"""The outer learning rate of each outer method, tuned on a validation split, never on the held-out set.
+"""The outer learning rate of each outer method (and H, and the inner lr's warm-up), tuned on a validation split,
+never on the held-out set.
 
     python benchmarks/tune.py                                  # diloco and sparseloco, 3 outer lrs each
     python benchmarks/tune.py --methods diloco --outer-lrs 0.5,0.7,1.0 --steps 600
+    python benchmarks/tune.py --methods diloco --outer-lrs 0.7 --warmup-steps 0,50,150 --output-dir runs/tune-warmup
 
 Each run is an arm of `convergence.py` (the CLI, as a user runs it; resumable the same way) with two changes: it
 trains on the bundled C4 sample's training shards 0-6 only (`--data`) and is evaluated on shard 7 (`--eval-data`),
 the validation split. Its documents are in no tuning run's training data, and they are not the held-out shard that
 `convergence.py` reports (the bundled validation file), so the grid's held-out numbers stay untouched by the choice.
-Writes `tune.json` and `tune.md`: the validation loss per method and outer lr, the lowest of each method marked.
+Writes `tune.json` and `tune.md`: the validation loss per method, outer lr (and warm-up), the lowest of each method
+marked. H is one per invocation (`--h`): sweep it with an output directory per value.
 Shorter than the grid (`--steps`, default 600): a short-horizon choice, which the table says.
 """
 
@@ -48,11 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=2, help="regions of one worker (default 2)")
     parser.add_argument("--batch-size", type=int, default=3, help="windows per step per worker (default 3)")
     parser.add_argument("--evals", type=int, default=4, help="validation evaluations per run (default 4)")
+    parser.add_argument("--warmup-steps", default=None, help="inner lr warm-up steps to sweep, comma-separated "
+                        "(default: the preset's alone)")
     parser.add_argument("--output-dir", default="runs/tune")
     return parser
 
 
 def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[float]]:
+    """The methods and outer lrs (and `args.warmups`: the warm-ups, [None] for the preset's), or a one-line error."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or any(m not in METHODS for m in methods):
         parser.error(f"--methods: {args.methods!r}: choose from {', '.join(METHODS)}")
@@ -66,6 +72,12 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
         parser.error(f"--outer-lrs: each must be > 0, got {args.outer_lrs!r}")
     if len({f"{lr:g}" for lr in lrs}) < len(lrs):  # the labels' spelling of the rate
         parser.error(f"--outer-lrs: give each value once, got {args.outer_lrs!r}")
+    try:
+        args.warmups = [None] if args.warmup_steps is None else [int(v) for v in args.warmup_steps.split(",")]
+    except ValueError:
+        parser.error(f"--warmup-steps takes comma-separated integers, got {args.warmup_steps!r}")
+    if any(w is not None and w < 0 for w in args.warmups) or len(set(args.warmups)) < len(args.warmups):
+        parser.error(f"--warmup-steps: each must be >= 0 and given once, got {args.warmup_steps!r}")
     if args.h < 1 or args.steps % args.h:
         parser.error(f"--h {args.h} must divide --steps {args.steps}")
     bad = [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals")
@@ -76,13 +88,15 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
 
 
 def arms(methods: list[str], lrs: list[float], args: argparse.Namespace) -> list[Arm]:
-    """The grid's arm of each method, once per outer lr, on the split."""
+    """The grid's arm of each method, once per outer lr (and warm-up), on the split."""
     train, validation = split_paths()
     by_label = {a.label: a for a in grid(args.workers, [args.h], [0])}
     return [dataclasses.replace(by_label[METHODS[m].format(w=args.workers, h=args.h)],
-                                label=f"{METHODS[m].format(w=args.workers, h=args.h)}-lr{lr:g}".replace(".", "p"),
-                                flags=("--outer-lr", str(lr), "--data", train, "--eval-data", validation))
-            for m in methods for lr in lrs]
+                                label=(f"{METHODS[m].format(w=args.workers, h=args.h)}-lr{lr:g}"
+                                       + ("" if warmup is None else f"-wu{warmup}")).replace(".", "p"),
+                                flags=("--outer-lr", str(lr), "--data", train, "--eval-data", validation),
+                                warmup_steps=warmup)
+            for m in methods for lr in lrs for warmup in args.warmups]
 
 
 def table(results: list[dict], args: argparse.Namespace) -> str:
@@ -90,10 +104,11 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     for r in results:
         if math.isfinite(r["validation_loss"]) and r["validation_loss"] < best.get(r["method"], (math.inf,))[0]:
             best[r["method"]] = (r["validation_loss"], r["arm"])
-    lines = ["| method | outer lr | validation loss | wall s |", "|---|---|---|---|"]
+    lines = ["| method | outer lr | warm-up steps | validation loss | wall s |", "|---|---|---|---|---|"]
     for r in results:
         mark = " (lowest)" if best.get(r["method"], (None, None))[1] == r["arm"] else ""
-        lines.append(f"| {r['method']} | {r['outer_lr']:g} | {r['validation_loss']:.4f}{mark} "
+        warmup = "the preset's" if r.get("warmup_steps") is None else r["warmup_steps"]
+        lines.append(f"| {r['method']} | {r['outer_lr']:g} | {warmup} | {r['validation_loss']:.4f}{mark} "
                      f"| {r['wall_seconds']:.0f} |")
     return "\n".join(lines) + (f"\n\n{args.steps} inner steps per worker, H = {args.h}, {args.workers} regions, "
                                "trained on the bundled C4 sample's shards 0-6, evaluated on shard 7.\n")
@@ -117,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(arm.label)
             continue
         results.append({"arm": arm.label, "method": arm.method,
-                        "outer_lr": float(arm.flags[1]), "validation_loss": summary["eval_loss"],
+                        "outer_lr": float(arm.flags[1]), "warmup_steps": arm.warmup_steps,
+                        "validation_loss": summary["eval_loss"],
                         "wall_seconds": summary["wall_seconds"]})
         (out / "tune.json").write_text(json.dumps({"argv": list(sys.argv[1:] if argv is None else argv),
                                                    "results": results}, indent=2))

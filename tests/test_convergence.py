@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from ray_diloco.cli import build_parser, resolve_config
+from ray_diloco.presets import tiny_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,10 +225,18 @@ def test_the_tuning_runs_train_on_the_split_and_are_evaluated_on_its_validation_
     arms = tune.arms(*tune.check(args, parser), args)
     assert [(a.method, a.flags[1]) for a in arms] == [("diloco", "0.5"), ("diloco", "1.0"), ("dct", "0.5"),
                                                        ("dct", "1.0")]
+    # A warm-up sweep: a run per warm-up, each labelled apart, the arm's YAML setting the inner lr's warm-up.
+    args = parser.parse_args(["--methods", "diloco", "--outer-lrs", "0.7", "--warmup-steps", "0,50"])
+    swept = tune.arms(*tune.check(args, parser), args)
+    assert [(a.label, a.warmup_steps) for a in swept] == [("diloco-m2-sfp16-h50-lr0p7-wu0", 0),
+                                                          ("diloco-m2-sfp16-h50-lr0p7-wu50", 50)]
+    arms += swept
     for arm in arms:
         (tmp_path / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
         cfg = resolve_config(build_parser().parse_args(convergence.command(arm, args, tmp_path, resume=False)[3:]))
         assert cfg.outer.lr == float(arm.flags[1]) and cfg.outer.method == arm.method
+        preset = tiny_cpu().inner.warmup_steps
+        assert cfg.inner.warmup_steps == (preset if arm.warmup_steps is None else arm.warmup_steps)
         training, validation = set(list_data_files(cfg.data.path)), set(list_data_files(cfg.data.eval_path))
         assert len(training) == 7 and len(validation) == 1 and not training & validation
         assert embedded_eval_path() not in training | validation
