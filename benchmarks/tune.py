@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # convergence.py, beside this file
-from convergence import Arm, grid, run_arm  # noqa: E402
+from convergence import Arm, grid, run_arm, with_seed  # noqa: E402
 
 from ray_diloco.cli import OneLineErrors  # noqa: E402
 
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evals", type=int, default=4, help="validation evaluations per run (default 4)")
     parser.add_argument("--warmup-steps", default=None, help="inner lr warm-up steps to sweep, comma-separated "
                         "(default: the preset's alone)")
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (default 0; another is in their labels)")
     parser.add_argument("--output-dir", default="runs/tune")
     return parser
 
@@ -81,7 +82,7 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
     if args.h < 1 or args.steps % args.h:
         parser.error(f"--h {args.h} must divide --steps {args.steps}")
     bad = [f"--{name.replace('_', '-')} must be >= 1" for name in ("workers", "batch_size", "evals")
-           if getattr(args, name) < 1]
+           if getattr(args, name) < 1] + (["--seed must be >= 0"] if args.seed < 0 else [])
     if bad:
         parser.error("; ".join(bad))
     return methods, lrs
@@ -91,12 +92,15 @@ def arms(methods: list[str], lrs: list[float], args: argparse.Namespace) -> list
     """The grid's arm of each method, once per outer lr (and warm-up), on the split."""
     train, validation = split_paths()
     by_label = {a.label: a for a in grid(args.workers, [args.h], [0])}
-    return [dataclasses.replace(by_label[METHODS[m].format(w=args.workers, h=args.h)],
-                                label=(f"{METHODS[m].format(w=args.workers, h=args.h)}-lr{lr:g}"
-                                       + ("" if warmup is None else f"-wu{warmup}")).replace(".", "p"),
-                                flags=("--outer-lr", str(lr), "--data", train, "--eval-data", validation),
-                                warmup_steps=warmup)
-            for m in methods for lr in lrs for warmup in args.warmups]
+
+    def run(method: str, lr: float, warmup: int | None) -> Arm:
+        base = by_label[METHODS[method].format(w=args.workers, h=args.h)]
+        label = f"{base.label}-lr{lr:g}" + ("" if warmup is None else f"-wu{warmup}")
+        arm = dataclasses.replace(base, label=label.replace(".", "p"), warmup_steps=warmup,
+                                  flags=("--outer-lr", str(lr), "--data", train, "--eval-data", validation))
+        return with_seed(arm, args.seed)
+
+    return [run(m, lr, warmup) for m in methods for lr in lrs for warmup in args.warmups]
 
 
 def table(results: list[dict], args: argparse.Namespace) -> str:
@@ -110,7 +114,8 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         warmup = "the preset's" if r.get("warmup_steps") is None else r["warmup_steps"]
         lines.append(f"| {r['method']} | {r['outer_lr']:g} | {warmup} | {r['validation_loss']:.4f}{mark} "
                      f"| {r['wall_seconds']:.0f} |")
-    return "\n".join(lines) + (f"\n\n{args.steps} inner steps per worker, H = {args.h}, {args.workers} regions, "
+    return "\n".join(lines) + (f"\n\n{args.steps} inner steps per worker, H = {args.h}, {args.workers} regions, seed "
+                               f"{args.seed}, "
                                "trained on the bundled C4 sample's shards 0-6, evaluated on shard 7.\n")
 
 

@@ -226,15 +226,16 @@ def test_the_tuning_runs_train_on_the_split_and_are_evaluated_on_its_validation_
     assert [(a.method, a.flags[1]) for a in arms] == [("diloco", "0.5"), ("diloco", "1.0"), ("dct", "0.5"),
                                                        ("dct", "1.0")]
     # A warm-up sweep: a run per warm-up, each labelled apart, the arm's YAML setting the inner lr's warm-up.
-    args = parser.parse_args(["--methods", "diloco", "--outer-lrs", "0.7", "--warmup-steps", "0,50"])
+    # With another seed, which the labels name (and the runs take: --seed).
+    args = parser.parse_args(["--methods", "diloco", "--outer-lrs", "0.7", "--warmup-steps", "0,50", "--seed", "1"])
     swept = tune.arms(*tune.check(args, parser), args)
-    assert [(a.label, a.warmup_steps) for a in swept] == [("diloco-m2-sfp16-h50-lr0p7-wu0", 0),
-                                                          ("diloco-m2-sfp16-h50-lr0p7-wu50", 50)]
+    assert [(a.label, a.warmup_steps, a.seed) for a in swept] == [("diloco-m2-sfp16-h50-lr0p7-wu0-s1", 0, 1),
+                                                                  ("diloco-m2-sfp16-h50-lr0p7-wu50-s1", 50, 1)]
     arms += swept
     for arm in arms:
         (tmp_path / f"{arm.label}.yaml").write_text(yaml.safe_dump(convergence.arm_config(arm, args)))
         cfg = resolve_config(build_parser().parse_args(convergence.command(arm, args, tmp_path, resume=False)[3:]))
-        assert cfg.outer.lr == float(arm.flags[1]) and cfg.outer.method == arm.method
+        assert cfg.outer.lr == float(arm.flags[1]) and cfg.outer.method == arm.method and cfg.run.seed == arm.seed
         preset = tiny_cpu().inner.warmup_steps
         assert cfg.inner.warmup_steps == (preset if arm.warmup_steps is None else arm.warmup_steps)
         training, validation = set(list_data_files(cfg.data.path)), set(list_data_files(cfg.data.eval_path))
