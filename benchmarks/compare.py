@@ -244,15 +244,9 @@ def run_notes(summary: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def curve_of(summary: dict[str, Any]) -> list[dict[str, float]]:
-    """Held-out loss against tokens per worker. The Evaluator's last point is fire-and-forget and may
-    miss the driver's read; the final loss the driver computed itself closes the curve then."""
-    points = [{"tokens_per_worker": p["tokens_per_worker"], "eval_loss": p["eval_loss"]}
-              for p in summary["eval_curve"]]
-    workers = sum(g["workers"] for g in summary["regions"])
-    final_tokens = summary["tokens"] // workers
-    if not points or points[-1]["tokens_per_worker"] < final_tokens:
-        points.append({"tokens_per_worker": final_tokens, "eval_loss": summary["eval_loss"]})
-    return points
+    """Held-out loss against tokens per worker, as summary.json's curve has it: from the start to the end's
+    evaluation (the driver closes it with that where the evaluator's fire-and-forget last point missed its read)."""
+    return [{"tokens_per_worker": p["tokens_per_worker"], "eval_loss": p["eval_loss"]} for p in summary["eval_curve"]]
 
 
 def _human_bytes(n: float) -> str:

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[float]]:
-    """The methods and outer lrs (and `args.warmups`: the warm-ups, [None] for the preset's), or a one-line error."""
+def check(args: argparse.Namespace,
+          parser: argparse.ArgumentParser) -> tuple[list[str], list[float], list[int | None]]:
+    """The methods, outer lrs and warm-ups ([None]: the preset's) to sweep, or a one-line error."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or any(m not in METHODS for m in methods):
         parser.error(f"--methods: {args.methods!r}: choose from {', '.join(METHODS)}")
@@ -74,10 +75,10 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
     if len({f"{lr:g}" for lr in lrs}) < len(lrs):  # the labels' spelling of the rate
         parser.error(f"--outer-lrs: give each value once, got {args.outer_lrs!r}")
     try:
-        args.warmups = [None] if args.warmup_steps is None else [int(v) for v in args.warmup_steps.split(",")]
+        warmups = [None] if args.warmup_steps is None else [int(v) for v in args.warmup_steps.split(",")]
     except ValueError:
         parser.error(f"--warmup-steps takes comma-separated integers, got {args.warmup_steps!r}")
-    if any(w is not None and w < 0 for w in args.warmups) or len(set(args.warmups)) < len(args.warmups):
+    if any(w is not None and w < 0 for w in warmups) or len(set(warmups)) < len(warmups):
         parser.error(f"--warmup-steps: each must be >= 0 and given once, got {args.warmup_steps!r}")
     if args.h < 1 or args.steps % args.h:
         parser.error(f"--h {args.h} must divide --steps {args.steps}")
@@ -85,10 +86,10 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[li
            if getattr(args, name) < 1] + (["--seed must be >= 0"] if args.seed < 0 else [])
     if bad:
         parser.error("; ".join(bad))
-    return methods, lrs
+    return methods, lrs, warmups
 
 
-def arms(methods: list[str], lrs: list[float], args: argparse.Namespace) -> list[Arm]:
+def arms(methods: list[str], lrs: list[float], warmups: list[int | None], args: argparse.Namespace) -> list[Arm]:
     """The grid's arm of each method, once per outer lr (and warm-up), on the split."""
     train, validation = split_paths()
     by_label = {a.label: a for a in grid(args.workers, [args.h], [0])}
@@ -100,7 +101,7 @@ def arms(methods: list[str], lrs: list[float], args: argparse.Namespace) -> list
                                   flags=("--outer-lr", str(lr), "--data", train, "--eval-data", validation))
         return with_seed(arm, args.seed)
 
-    return [run(m, lr, warmup) for m in methods for lr in lrs for warmup in args.warmups]
+    return [run(m, lr, warmup) for m in methods for lr in lrs for warmup in warmups]
 
 
 def table(results: list[dict], args: argparse.Namespace) -> str:
@@ -122,12 +123,12 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    methods, lrs = check(args, parser)
+    methods, lrs, warmups = check(args, parser)
     out = Path(args.output_dir).resolve()
     arms_dir = out / "arms"
     arms_dir.mkdir(parents=True, exist_ok=True)
     results, failed = [], []
-    for arm in arms(methods, lrs, args):
+    for arm in arms(methods, lrs, warmups, args):
         try:
             summary = run_arm(arm, args, arms_dir)
         except KeyboardInterrupt:  # the run has ended (stopped, with a checkpoint, or forced): convergence.run_arm

@@ -42,7 +42,7 @@ class OuterCheckpoint:
     progress: dict[str, Any] | None = None
     worker_checkpoint: str | None = None
     tokens: int = 0  # trained by the region so far
-    worker_tokens: int | None = None  # by one of its workers so far (None: a checkpoint written before it was kept)
+    short_tokens: int = 0  # one worker's tokens short of whole windows so far (SyncActorImpl.short_tokens)
     config_yaml: str = ""
     # A compressed outer method's state of this region (error feedback / momentum, ray_diloco.methods): its own,
     # not shared with the other regions; empty for DiLoCo.
@@ -84,7 +84,7 @@ class CheckpointStore:
         self.fs.create_dir(directory, recursive=True)
         state = {"outer_step": checkpoint.outer_step, "theta": checkpoint.theta, "momentum": checkpoint.momentum,
                  "progress": checkpoint.progress, "worker_checkpoint": checkpoint.worker_checkpoint,
-                 "tokens": checkpoint.tokens, "worker_tokens": checkpoint.worker_tokens,
+                 "tokens": checkpoint.tokens, "short_tokens": checkpoint.short_tokens,
                  "method_state": checkpoint.method_state}
         self._write(join(directory, STATE_FILE), lambda handle: torch.save(state, handle))
         self._write(join(directory, CONFIG_FILE), lambda handle: handle.write(checkpoint.config_yaml.encode()))
@@ -135,5 +135,6 @@ def load_outer_checkpoint(location: str) -> OuterCheckpoint:
         config_yaml = handle.read().decode()
     return OuterCheckpoint(outer_step=state["outer_step"], theta=state["theta"], momentum=state["momentum"],
                            progress=state["progress"], worker_checkpoint=state["worker_checkpoint"],
-                           tokens=state["tokens"], worker_tokens=state.get("worker_tokens"), config_yaml=config_yaml,
+                           tokens=state["tokens"], config_yaml=config_yaml,
+                           short_tokens=state.get("short_tokens", 0),  # absent before it was kept: whole windows
                            method_state=state.get("method_state", {}))  # absent before compressed methods

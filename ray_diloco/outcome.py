@@ -70,11 +70,13 @@ def eval_curve(cfg: ExperimentConfig, outcome: TrainingOutcome, eval_start: floa
 
 
 def final_tokens_per_worker(cfg: ExperimentConfig, outcome: TrainingOutcome, final: int) -> int:
-    """What one worker trained by the end, as the evaluator's points count it: by the first of the driver's regions
-    that reached `final` (the evaluator's), where its SyncActor counted it (DiLoCo); else whole windows."""
+    """What one worker trained by the end, as the evaluator's points count it: whole windows less those its region
+    (the driver's first: it holds the evaluator) trained short, where its SyncActor counted them (DiLoCo)."""
+    evaluated = cfg.local_regions()[0].name
     for stats in outcome.stats:
-        if stats.get("outer_step") == final and "tokens_per_worker" in stats:
-            return int(stats["tokens_per_worker"])
+        if stats.get("region") == evaluated and "tokens_per_worker" in stats:
+            short = cfg.tokens_per_worker(stats["outer_step"]) - stats["tokens_per_worker"]
+            return cfg.tokens_per_worker(final) - short
     return cfg.tokens_per_worker(final)
 
 

@@ -420,29 +420,33 @@ class CalledInPlace:
 
 def test_the_evaluation_curve_counts_the_tokens_the_workers_trained(tmp_path):
     """A window that a preemption notice ended early hands in fewer tokens than H steps': the curve's tokens per worker
-    grow by what was trained, not by a whole window per outer step (they did, as outer_step × H). A region resumed
-    from its checkpoint goes on from the count it saved; the end's point of the curve counts as the region did."""
-    cfg = config(tmp_path, "worker-tokens", [1], outer_steps=3, eval_every=1)
+    count it short (they counted a whole window per outer step). A region resumed from its checkpoint keeps what it
+    was short; steps taken over from another region's state count as whole windows (that state trained them, not
+    zero tokens); the end's point of the curve counts as the region did."""
+    cfg = config(tmp_path, "worker-tokens", [1], outer_steps=6, eval_every=1)
     window = ExperimentConfig.from_dict(cfg).tokens_per_worker(1)  # one worker's whole window
+    short = window - window // 4  # 1 of H = 4 steps trained
     evaluator = EvaluatorImpl(cfg, torch.randint(0, 256, (2, 16)))
     actor = SyncActorImpl(cfg, "r0", evaluator=CalledInPlace(evaluator))
     try:
         asyncio.run(actor.exchange(0, 0, 1, trained(actor, 1), tokens=window))
-        asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), tokens=window // 4))  # 1 of H = 4 steps
+        asyncio.run(actor.exchange(1, 0, 1, trained(actor, 2), tokens=window // 4))
         assert asyncio.run(actor.commit_checkpoint(2, str(tmp_path / "workers-2"))) is not None
     finally:
         actor.shutdown()
     resumed = SyncActorImpl(cfg, "r0", evaluator=CalledInPlace(evaluator), resume_step=2)
     try:
         asyncio.run(resumed.exchange(2, 0, 1, trained(resumed, 3), tokens=window))
+        # Another region's state of step 4, taken over (a re-sync), then a window of our own.
+        resumed._set_state(4, resumed.global_state(), resumed.outer.momentum_state())
+        asyncio.run(resumed.exchange(4, 0, 1, trained(resumed, 4), tokens=window))
     finally:
         resumed.shutdown()
     assert [(p["outer_step"], p["tokens_per_worker"]) for p in evaluator.get_curve()] == [
-        (1, window), (2, window + window // 4), (3, 2 * window + window // 4)]
-    assert resumed.stats()["tokens_per_worker"] == 2 * window + window // 4
+        (1, window), (2, 2 * window - short), (3, 3 * window - short), (5, 5 * window - short)]
+    assert resumed.stats()["tokens_per_worker"] == 5 * window - short
     # The end's evaluation, where the evaluator made no point of that step (eval_every > 1), counts them too.
-    ended = TrainingOutcome(stats=[resumed.stats()], worker_results=[{"outer_step": 3}], finished=[0], final_state={},
-                            curve=evaluator.get_curve()[:2], data_counts={})
+    ended = TrainingOutcome(stats=[resumed.stats()], worker_results=[{"outer_step": 6}], finished=[0], final_state={},
+                            curve=evaluator.get_curve(), data_counts={})
     end = eval_curve(ExperimentConfig.from_dict(cfg), ended, 9.0, 5.0, 148.4)[-1]
-    assert (end["outer_step"], end["tokens_per_worker"]) == (3, 2 * window + window // 4)
-
+    assert (end["outer_step"], end["tokens_per_worker"]) == (6, 6 * window - short)

@@ -175,9 +175,9 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self.bytes_sent = self.bytes_received = 0
         self.sync_seconds = 0.0
         self.tokens = 0
-        # What one of its workers trained so far (a window ended early by a preemption notice counts its own steps):
-        # the evaluation curve's tokens per worker.
-        self.worker_tokens = 0
+        # The tokens one worker did not train in the windows a preemption notice ended early: the evaluation curve
+        # counts whole windows less these (steps taken over from another region's state count as whole windows).
+        self.short_tokens = 0
         # Tests re-compute each outer step in plain PyTorch from what the region actually sent.
         self.record_rounds = record_rounds
         self.recorded: list[dict] = []
@@ -298,13 +298,17 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
     def recorded_rounds(self) -> list[dict]:
         return self.recorded
 
+    def tokens_per_worker(self) -> int:
+        """What one worker trained into θ_global by now, as the evaluation curve counts it."""
+        return self.config.tokens_per_worker(self.outer.step_count) - self.short_tokens
+
     def last_round(self) -> dict:
         return self.history[-1] if self.history else {}
 
     def stats(self) -> dict:
         return {
             "region": self.region, "outer_step": self.outer.step_count, "tokens": self.tokens,
-            "tokens_per_worker": self.worker_tokens,
+            "tokens_per_worker": self.tokens_per_worker(),
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "sync_seconds": self.sync_seconds, "rounds": list(self.history), "digest": self.digest(),
             "record": dataclasses.asdict(self._published) if self._published else None,

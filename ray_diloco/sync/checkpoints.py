@@ -32,9 +32,7 @@ class Checkpoints:
         if self.compressor is not None:  # the region's own error feedback / momentum, exactly as it was
             self.compressor.load_state_dict(checkpoint.method_state)
         self.progress, self.tokens = checkpoint.progress, checkpoint.tokens
-        self.worker_tokens = checkpoint.worker_tokens
-        if self.worker_tokens is None:  # written before it was kept: whole windows, as then assumed
-            self.worker_tokens = self.config.tokens_per_worker(checkpoint.outer_step)
+        self.short_tokens = checkpoint.short_tokens
         self.committed = (checkpoint.outer_step, checkpoint.worker_checkpoint)
         self.record_event("resumed", checkpoint=self.store.location(checkpoint.outer_step), digest=self._digest)
 
@@ -50,7 +48,7 @@ class Checkpoints:
         method_state = self.compressor.state_dict() if self.compressor is not None else {}
         checkpoint = OuterCheckpoint(outer_step=step, theta=theta, momentum=momentum, progress=self.progress,
                                      worker_checkpoint=worker_checkpoint, tokens=self.tokens,
-                                     worker_tokens=self.worker_tokens,
+                                     short_tokens=self.short_tokens,
                                      config_yaml=self.config.to_yaml(), method_state=method_state)
         # Off the event loop: other regions' calls (state sharing) go on while the files are written. Bounded by
         # the state's size at the slowest link the run allows: a hung bucket costs this checkpoint (the region

@@ -65,6 +65,7 @@ import contextlib
 import functools
 import hashlib
 import math
+import os
 import signal
 import time
 from typing import AsyncIterator, Optional, Sequence
@@ -83,7 +84,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from ray_diloco.sync.auth import MemberGate
 from ray_diloco.sync.clipped_reducer import ClippedPartReducer
-from ray_diloco.sync.parent_bound import exit_with_parent
+from ray_diloco.sync.parent_bound import HIVEMIND_SOCKETS, exit_with_parent, socket_files
 from ray_diloco.sync.wire_codecs import check_part, decode_part, roundtrip
 
 logger = get_logger(__name__)
@@ -440,11 +441,17 @@ class ExactAverager(DecentralizedAverager):
             self.join(self.shutdown_timeout)
             if self.is_alive():
                 logger.warning("Averager did not shut down within the grace period; terminating it")
+                # Its own socket files, which a killed child cannot remove: not those it inherited from this
+                # process (our live p2p clients' listeners).
+                files = socket_files([self.pid], HIVEMIND_SOCKETS) - socket_files([os.getpid()], HIVEMIND_SOCKETS)
                 self.terminate()
                 self.join(1.0)
-            if self.is_alive():
-                self.kill()
-                self.join(1.0)
+                if self.is_alive():
+                    self.kill()
+                    self.join(1.0)
+                for path in files:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
         try:
             self._inner_pipe.send(("_SHUTDOWN", None))  # ends _background_thread_fetch_current_state
         except (OSError, ValueError):

@@ -82,13 +82,12 @@ def socket_files(pids: list[int], containing: str = "") -> set[str]:
                     if link.startswith("socket:["):
                         inodes.add(link[len("socket:["):-1])
     paths = set()
-    with contextlib.suppress(OSError):
-        with open("/proc/net/unix") as table:
-            next(table)  # "Num RefCount Protocol Flags Type St Inode Path"
-            for line in table:
-                fields = line.split()
-                if len(fields) >= 8 and fields[6] in inodes and containing in fields[7]:
-                    paths.add(fields[7])
+    with contextlib.suppress(OSError), open("/proc/net/unix") as table:
+        next(table)  # "Num RefCount Protocol Flags Type St Inode Path"
+        for line in table:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and containing in fields[7]:
+                paths.add(fields[7])
     return paths
 
 

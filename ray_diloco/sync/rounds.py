@@ -109,7 +109,9 @@ class Rounds:
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         self.tokens += tokens
-        self.worker_tokens += round(tokens / max(1, len(pending.tokens_by_rank)))  # every rank trains as many steps
+        # Every rank trains as many steps; a window a notice ended early trained fewer than a whole one.
+        per_rank = round(tokens / max(1, len(pending.tokens_by_rank)))
+        self.short_tokens += max(0, self.config.tokens_per_worker(1) - per_rank)
         # The transfer is what hivemind timed as its all-reduce; the rest of the averaging call is matchmaking.
         transfer = min(result.timings.get("allreduce", 0.0), reduce_seconds - rendezvous_seconds)
         phases = {"wait_for_shards": start - pending.first_in, "wait_for_peers": reduce_seconds - transfer,
@@ -120,7 +122,7 @@ class Rounds:
         every = self.config.run.eval_every
         if self.evaluator is not None and every and (outer_step + 1) % every == 0:
             # Ray copies θ here
-            self.evaluator.evaluate.remote(outer_step + 1, to_wire(new_global), self.worker_tokens)
+            self.evaluator.evaluate.remote(outer_step + 1, to_wire(new_global), self.tokens_per_worker())
         logger.info("[%s] outer step %d done in %.2fs with %d region(s)", self.region, outer_step + 1,
                     seconds, result.group_size)
         if self.sharer is not None and self.outer.step_count >= self.config.run.outer_steps:
