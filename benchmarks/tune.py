@@ -48,13 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--outer-lrs", default="0.5,0.7,1.0", help="outer learning rates (default 0.5,0.7,1.0)")
     parser.add_argument("--steps", type=int, default=600, help="inner steps per worker of every run (default 600)")
     parser.add_argument("--h", type=int, default=50, help="H (default 50)")
-    parser.add_argument("--workers", type=int, default=2, help="regions of one worker (default 2)")
+    parser.add_argument("--workers", type=int, default=2, help="regions, one worker each (default 2)")
     parser.add_argument("--batch-size", type=int, default=3, help="windows per step per worker (default 3)")
     parser.add_argument("--evals", type=int, default=4, help="validation evaluations per run (default 4)")
     parser.add_argument("--warmup-steps", default=None, help="inner lr warm-up steps to sweep, comma-separated "
                         "(default: the preset's alone)")
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (default 0; another is in their labels)")
-    parser.add_argument("--output-dir", default="runs/tune")
+    parser.add_argument("--output-dir", default="runs/tune", help="where the runs, tune.json and tune.md go; the "
+                        "same directory again continues a sweep (default runs/tune)")
     return parser
 
 
