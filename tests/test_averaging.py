@@ -452,7 +452,7 @@ def test_the_next_rounds_averager_is_started_after_a_round_and_used_only_by_that
     still gathers both regions with identical results. No averager leaves its p2p client's socket file behind."""
     regions = start_regions(2, run_id="prepared", matchmaking_seconds=2.0)
     started = {region.region: [] for region in regions}  # (round, started ahead by _prepare?)
-    clients: set[str] = set()  # socket files of the p2p clients of the prepared averagers (and of the DHTs)
+    clients: set[str] = set()  # socket files of the prepared averagers' p2p clients (the DHTs' listen on none)
     for region in regions:
         def counted(key, deadline, start=region._start_averager, name=region.region):
             started[name].append((key[0], threading.current_thread().name.endswith("(_prepare)")))

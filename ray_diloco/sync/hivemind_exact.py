@@ -84,7 +84,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from ray_diloco.sync.auth import MemberGate
 from ray_diloco.sync.clipped_reducer import ClippedPartReducer
-from ray_diloco.sync.parent_bound import HIVEMIND_SOCKETS, exit_with_parent, socket_files
+from ray_diloco.sync.parent_bound import HIVEMIND_SOCKETS, exit_with_parent, remove_files, socket_files
 from ray_diloco.sync.wire_codecs import check_part, decode_part, roundtrip
 
 logger = get_logger(__name__)
@@ -449,9 +449,7 @@ class ExactAverager(DecentralizedAverager):
                 if self.is_alive():
                     self.kill()
                     self.join(1.0)
-                for path in files:
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
+                remove_files(files)
         try:
             self._inner_pipe.send(("_SHUTDOWN", None))  # ends _background_thread_fetch_current_state
         except (OSError, ValueError):

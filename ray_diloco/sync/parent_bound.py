@@ -47,9 +47,7 @@ def exit_with_parent(poll_seconds: float = POLL_SECONDS) -> None:
             files |= socket_files([os.getpid(), *children], HIVEMIND_SOCKETS)
             for child in children:
                 _kill(child)
-        for path in files:
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        remove_files(files)
         _kill(os.getpid())
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
@@ -89,6 +87,13 @@ def socket_files(pids: list[int], containing: str = "") -> set[str]:
             if len(fields) >= 8 and fields[6] in inodes and containing in fields[7]:
                 paths.add(fields[7])
     return paths
+
+
+def remove_files(paths: set[str]) -> None:
+    """Remove what is still there of `paths` (socket files of processes just killed)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def alive(pid: int) -> bool:
