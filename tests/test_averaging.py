@@ -16,7 +16,8 @@ Checks that:
 * a reducer that dies before its last reply fails the round at once;
 * a reducer's round lasts until a slow sender holds every reply (else the sender loses the last parts);
 * a region whose averager dies mid-all-reduce: both regions return at once with consistent=False;
-  one that stalls mid-all-reduce: both return by averaging_timeout (+ shutdown) with consistent=False;
+  one that stalls mid-all-reduce: both return by averaging_timeout (+ shutdown) with consistent=False, and the
+  survivor's averager logs how far each stream got (the stalled sender's one part);
 * bad arguments (unknown codec, weight <= 0, a Δ with NaN/inf) are refused;
 * the next round's averager starts after a round, off the next round's critical path, and only that round
   uses it (a re-synced region's other round starts its own); no round's averager leaves its p2p client's socket
@@ -29,7 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
+import re
+import sys
 import threading
 import time
 
@@ -37,7 +41,7 @@ import pytest
 import torch
 from leftovers import descendants
 
-from ray_diloco.sync import averaging
+from ray_diloco.sync import averaging, hivemind_exact
 from ray_diloco.sync.averaging import RegionAverager, RoundResult, round_prefix
 from ray_diloco.sync.codecs import get_codec, power_of_two_scale
 from ray_diloco.sync.hivemind_exact import ExactAllReduceRunner
@@ -371,7 +375,7 @@ def test_a_reducer_dying_before_its_last_reply_fails_the_round_at_once(monkeypat
     assert not dead.consistent
 
 
-def test_region_stalling_mid_round_cannot_hold_the_round_past_the_timeout(monkeypatch):
+def test_region_stalling_mid_round_cannot_hold_the_round_past_the_timeout(monkeypatch, capfd):
     timeout = 6.0
     regions = start_regions(2, run_id="stall", matchmaking_seconds=MM, averaging_timeout=timeout,
                             part_size_bytes=2**12)
@@ -385,11 +389,22 @@ def test_region_stalling_mid_round_cannot_hold_the_round_past_the_timeout(monkey
                 await asyncio.sleep(3600)
 
     monkeypatch.setattr(ExactAllReduceRunner, "_generate_input_for_peer", send_one_part_then_hang)
-    results, seconds = timed_round(regions)
+    # The averagers' own log (their processes fork from this one; pytest's log capture stays in each child)
+    said = logging.StreamHandler(sys.stderr)
+    logging.getLogger(hivemind_exact.__name__).addHandler(said)
+    try:
+        results, seconds = timed_round(regions)
+    finally:
+        logging.getLogger(hivemind_exact.__name__).removeHandler(said)
     assert seconds < timeout + 5.0, seconds
     for r, seed in zip(results, (0, 1)):
         assert not r.consistent and "averaging_timeout" in r.error and r.seconds < timeout + 5.0
         assert torch.equal(r.averaged["b"], get_codec("fp16").roundtrip(make_delta(seed=seed)["b"]))
+    # Each round's averager says where its streams stood: the survivor got at most the victim's first part.
+    logged = capfd.readouterr().err
+    # (its one part, or none where it had not come in by the timeout, on a loaded machine)
+    assert "All-reduce ended by" in logged and re.search(f"from sender {victim}: [01] of [0-9]+ part", logged), \
+        logged[-3000:]
 
 
 class _FakeAverager:

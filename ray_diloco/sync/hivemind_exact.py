@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import hashlib
 import math
@@ -117,6 +118,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._sent_shapes: dict[int, list[torch.Size]] = {}  # per reducer: the shapes of the parts we sent it
         self._served: set[PeerID] = set()  # remote senders whose rpc_aggregate_part has ended
         self._served_changed = asyncio.Event()
+        # Where each exchange stands (`progress`): a round that does not end says which stream stalled.
+        self._started = time.monotonic()
+        self._stream_opened: dict[PeerID, float] = {}  # remote reducer -> seconds into the round its stream opened
+        self._replies_in: dict[PeerID, int] = {}  # remote reducer -> replies we hold
 
     # -- as a sender: our parts go to each reducer, its averaged parts come back --------------------------
     async def _communicate_with_peer(self, peer_id: PeerID):
@@ -175,6 +180,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         share) ends its stream after the last part, as stock does, with stock's exposure to that reset."""
         handle = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle)
+        self._stream_opened[peer_id] = time.monotonic() - self._started
         all_in = asyncio.Event()
         if self.should_delay_results(self.peer_id):  # (its reducer answers only after our stream ends)
             all_in.set()
@@ -202,6 +208,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
                 if error is not None:
                     raise AllreduceException(f"peer {peer_id} failed: {error.message}")
+                self._replies_in[peer_id] = received + 1
                 yield reply
             all_in.set()
             try:  # the reducer closes once it has read our end; closing first could reset that end away
@@ -298,6 +305,25 @@ class ExactAllReduceRunner(AllReduceRunner):
             except asyncio.TimeoutError:
                 pass
 
+    def progress(self) -> str:
+        """Where each exchange with another peer stands, in one line: for a round that did not end, which peer's
+        stream stalled, and at what point (not open, parts not taken, replies not coming)."""
+        parts_by_peer = self.tensor_part_container.num_parts_by_peer
+        lines = []
+        for index, peer in enumerate(self.ordered_peer_ids):
+            if peer != self.peer_id and parts_by_peer[index]:
+                opened = self._stream_opened.get(peer)
+                lines.append(f"to reducer {peer}: " + ("stream not open" if opened is None else
+                                                       f"stream open at {opened:.1f}s")
+                             + f", {len(self._sent_shapes.get(index, ()))} part(s) handed to it, "
+                               f"{self._replies_in.get(peer, 0)} of {parts_by_peer[index]} replies in")
+        reducer = self.tensor_part_reducer
+        for index, sender in enumerate(self.sender_peer_ids):
+            if sender != self.peer_id:
+                lines.append(f"from sender {sender}: {reducer.num_parts_received[index]} of {reducer.num_parts} "
+                             f"part(s) in")
+        return "; ".join(lines) or "no other peer"
+
     def stats(self) -> dict:
         container = self.tensor_part_container
         return dict(
@@ -350,6 +376,13 @@ class ExactAverager(DecentralizedAverager):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         except ValueError:
             pass
+        # Every thread's stack to stderr (the SyncActor's log) on SIGUSR1: `shutdown` asks for it before it
+        # terminates a child that does not answer, so a stalled all-reduce says where it stalled.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # No torch op here: this thread is the copy of the forking one, and where that thread had run an OpenMP
+        # parallel op (any op on more than 32,768 values), the child's first such op in it hangs for good (GNU
+        # OpenMP's pool does not survive a fork; seen here with torch 2.13). Stock serves in a thread of its own,
+        # whose pool is new.
         super().run()
 
     async def rpc_join_group(
@@ -388,13 +421,17 @@ class ExactAverager(DecentralizedAverager):
         self._running_groups[group_id].set_result(runner)
         start = time.perf_counter()
         outputs = aiter(runner)
-        for tensor in tensors:
-            tensor.copy_(await anext(outputs))  # absolute average: copy, never add to the local value
-        allreduce_seconds = time.perf_counter() - start
-        # To its end, not stock's azip (which leaves run() finishing in the background): run() ends only once
-        # our streams to the reducers have closed, and our END_OF_STREAM must be out before this process exits.
-        async for _ in outputs:
-            raise AllreduceException("the all-reduce returned more tensors than it was given")
+        try:
+            for tensor in tensors:
+                tensor.copy_(await anext(outputs))  # absolute average: copy, never add to the local value
+            allreduce_seconds = time.perf_counter() - start
+            # To its end, not stock's azip (which leaves run() finishing in the background): run() ends only once
+            # our streams to the reducers have closed, and our END_OF_STREAM must be out before this process exits.
+            async for _ in outputs:
+                raise AllreduceException("the all-reduce returned more tensors than it was given")
+        except BaseException as e:  # a failed or timed-out round says where each of its streams stood
+            logger.warning(f"All-reduce ended by {e!r} after {time.perf_counter() - start:.1f}s: {runner.progress()}")
+            raise
         served = await runner.wait_until_served(self.served_timeout)
         self._round_stats = dict(runner.stats(), allreduce_seconds=allreduce_seconds, all_served=served)
 
@@ -440,7 +477,11 @@ class ExactAverager(DecentralizedAverager):
                 pass
             self.join(self.shutdown_timeout)
             if self.is_alive():
-                logger.warning("Averager did not shut down within the grace period; terminating it")
+                logger.warning("Averager did not shut down within the grace period; terminating it (its stacks "
+                               "follow on stderr)")
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGUSR1)
+                    self.join(1.0)
                 # Its own socket files, which a killed child cannot remove: not those it inherited from this
                 # process (our live p2p clients' listeners).
                 files = socket_files([self.pid], HIVEMIND_SOCKETS) - socket_files([os.getpid()], HIVEMIND_SOCKETS)
