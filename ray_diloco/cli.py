@@ -295,9 +295,9 @@ def train(cfg: ExperimentConfig, address: str | None) -> int:
 
             # Every input is checked before Ray, torch and the driver are even imported: a bad flag costs seconds.
             groups = training_groups(cfg)
+            if cluster_address(address) is None:  # the driver would start a private Ray here: too big fails now,
+                check_local_machine(groups, local_cores())  # before the run's setup (tokenizer, data files)
             prepared = prepare_run(cfg, groups)
-            if cluster_address(address) is None:  # the driver would start a private Ray here: too big fails now
-                check_local_machine(groups, local_cores())
             from ray_diloco.driver import run_training
 
             summary = run_training(cfg, address=address, prepared=prepared, stop=stop)

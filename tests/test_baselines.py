@@ -36,6 +36,8 @@ def cli(*argv, cwd):
     (["--data", "/nonexistent"], "--data: "),
     (["--eval-data", "/nonexistent/x.json.gz"], "--eval-data: "),
     (["--workers-per-region", "0"], "--workers-per-region: must be >= 1"),
+    # more than this machine can take turns on: refused before the run's setup (the tokenizer, the data's files)
+    (["--workers-per-region", "40"], "--workers-per-region: the run starts up to 80 training workers"),
     (["--init-from", "/nonexistent"], "--init-from: "),
     (["--resume"], "--resume: name the run"),
     (["--run-name", "none-yet", "--resume"], "--resume: no committed checkpoint"),
