@@ -259,10 +259,11 @@ def make_trainer(cfg: ExperimentConfig, group: RegionConfig, evaluator: str | No
 def worker_checkpoint_config() -> CheckpointConfig:
     """Ray Train keeps the newest reports (each save a directory of its own) and deletes the older ones, across
     a run's restarts (it reloads its list, and refuses to start if a listed directory is gone: so only Ray Train
-    deletes them). The SyncActor keeps its two newest outer checkpoints, each naming one report; twice as many
-    reports leave room for saves not followed by a commit (a failed commit, a group killed between the two, a
-    step trained again after a restart)."""
-    return CheckpointConfig(num_to_keep=2 * CheckpointStore.keep_default)
+    deletes them). The SyncActor keeps its two newest outer checkpoints, each naming one report; three times as
+    many reports leave room for saves not followed by a commit (a failed commit, a group killed between the two, a
+    step trained again after a restart, the save at a hand-in under a preemption notice followed by one after an
+    abandoned round)."""
+    return CheckpointConfig(num_to_keep=3 * CheckpointStore.keep_default)
 
 
 def evaluate_state(cfg: ExperimentConfig, model, state: dict | None, windows) -> tuple[float, float]:

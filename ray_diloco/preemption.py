@@ -10,13 +10,19 @@ Without more, the group that follows would continue from θ_global but start Ada
 round happened to be a `run.checkpoint_every` one. So while a notice stands the group checkpoints every round
 (`policy.checkpoints_at(..., notice=True)`), and it starts no window that would not end, with its round and its
 checkpoint, before the deadline (`trains_through_notice`): it waits for the deadline on its checkpoint
-instead. A notice that comes mid-window is looked for a few times a window (`looks_within_window`); where the rest
-of the window with its round would not end in time, the group hands in the steps it trained so far
+instead. A notice that comes mid-window is looked for a few times a window, and at least every LOOK_SECONDS of
+training once the group has timed its steps (`looks_within_window`); where the rest of the window with its round
+would not end in time, the group hands in the steps it trained so far
 (`hands_in_early`: a shorter window, its Δ weighted by its tokens like any region's), so a window longer than the
 notice (H = 500 on GPUs against a cloud's 30 s) is not cut off. Its round still meets the other regions, which hand
-in when their own windows end: it ends before the deadline only where theirs do too (a region alone, or regions
-whose windows end in time); otherwise it ends after the group is gone, the window's Δ still in it, and the group
-that follows starts AdamW anew (a mid-window checkpoint would keep it: not built). The deadline is a UNIX time set
+in when their own windows end, so it may end after the deadline, the group gone. So where the workers know of the
+notice as they hand in (a window ended early, or a look before an overlapped exchange), they save their part of the
+round's checkpoint then (`worker.save_at_hand_in`: AdamW as they go on with it; θ_global comes from the
+SyncActor on load), and the SyncActor commits it as the round ends (`policy.commits_hand_in_checkpoint`):
+the group that follows continues from it, AdamW included, however late the round ends. A notice that comes while
+the workers wait in a round is looked for every ROUND_LOOK_SECONDS (`worker.wait_for_round`): where the round has
+not ended, they tell the SyncActor (the round then blocks), save the same checkpoint, and the SyncActor commits it
+for the round (`notice_in_round`, `late_hand_in`). The deadline is a UNIX time set
 by the cluster's head; the nodes of one Ray cluster are taken to share a clock (NTP), which the regions, each its
 own cluster, never need to.
 """
@@ -33,11 +39,19 @@ NOTICE_GRACE_SECONDS = 60.0
 # Ray Train starts its preemption watcher just before the workers' train function: a notice may be detected
 # before the function's first look, so the group's start counts as a look this much earlier (a watcher's poll).
 WATCHER_LEAD_SECONDS = 5.0
-# Mid-window looks for a notice, at most this many a window besides the one at its round (a notice is seen within
-# about a ninth of a window), and never fewer than this many inner steps apart: each look is a barrier of the
-# group's ranks (a Ray actor call; two once a notice stands), which short windows of fast steps would feel.
+# Mid-window looks for a notice in a group's first window (its steps not timed yet): at most this many a window
+# besides the one at its round (a notice is seen within about a ninth of a window), and never fewer than this many
+# inner steps apart: each look is a barrier of the group's ranks (a Ray actor call; two once a notice stands),
+# which short windows of fast steps would feel. Later windows look at least as often (LOOK_SECONDS).
 LOOKS_PER_WINDOW = 8
 MIN_STEPS_BETWEEN_LOOKS = 5
+# Where the group's last window says its steps are slow, a mid-window look also comes at least this often, in
+# seconds of training: a ninth of a long window can outlast a cloud's notice (in CI, steps of 3.4 s on a loaded
+# machine put a window's looks 24 s apart, and a 15 s notice came and went between two). A look is a barrier of
+# the group's ranks, and Ray Train's watcher polls as often itself.
+LOOK_SECONDS = 5.0
+# While the workers wait in a round (for the other regions, or the round in flight before it), they look as often.
+ROUND_LOOK_SECONDS = LOOK_SECONDS
 # Where a drain gave no deadline, Ray Train ends the group this long after it detected the preemption
 # (ray.train.v2 `DEFAULT_PREEMPTION_DEADLINE_S`; tests/test_preemption.py checks the two agree).
 UNSTATED_DEADLINE_SECONDS = 120.0
@@ -54,7 +68,7 @@ def deadline_of(notice, unseen_at: float) -> float:
 
 
 class NoticeWatch:
-    """The group's preemption notice as its workers see it, asked once a round on every rank (`check`).
+    """The group's preemption notice as its workers see it, asked by every rank at the same points (`check`).
 
     The answer is rank 0's, broadcast by Ray Train, so the same on every rank (no rank decides on its own clock),
     and Ray Train never withdraws a notice (it may widen one: more nodes, an earlier deadline)."""
@@ -65,7 +79,7 @@ class NoticeWatch:
 
     def check(self) -> tuple[object | None, bool]:
         """The notice standing now (None: none), and whether this is the first check to see one. A barrier of the
-        group's ranks: each calls it once a round, at the same point."""
+        group's ranks: each calls it at the same points."""
         # Before asking: rank 0's answer is read before the barrier, so one that came after it would be dated late.
         asked_at = time.time()
         notice = ray.train.get_preemption_info()
@@ -104,13 +118,25 @@ def sleep_past_deadline(deadline: float) -> None:
     time.sleep(max(0.0, deadline + NOTICE_GRACE_SECONDS - time.time()))
 
 
-def looks_within_window(inner_steps: int) -> frozenset[int]:
+def looks_within_window(inner_steps: int, step_seconds: float | None = None) -> frozenset[int]:
     """After which of a window's inner steps (counted from 1) the group looks for a notice mid-window: evenly
-    spaced, at most LOOKS_PER_WINDOW, at least MIN_STEPS_BETWEEN_LOOKS apart, never after the last (the round's
-    own look follows it). The same steps on every rank: each look is a barrier."""
+    spaced, never after the last (the round's own look follows it). The same steps on every rank (each look is a
+    barrier): `step_seconds` is rank 0's time per inner step in the group's last window (`agreed_step_seconds`),
+    None before the group has trained one.
+
+    Without it: at most LOOKS_PER_WINDOW looks, at least MIN_STEPS_BETWEEN_LOOKS apart. With it, never fewer looks
+    than that, and at least one every LOOK_SECONDS of training (every step where a step takes longer); closer than
+    MIN_STEPS_BETWEEN_LOOKS only where those steps together take longer than LOOK_SECONDS."""
     every = -(-inner_steps // (LOOKS_PER_WINDOW + 1))  # ceil: at most LOOKS_PER_WINDOW looks before the last step
-    every = max(every, MIN_STEPS_BETWEEN_LOOKS)
+    in_look_seconds = max(1, int(LOOK_SECONDS / step_seconds)) if step_seconds else inner_steps  # steps in 5 s
+    every = max(min(every, in_look_seconds), min(MIN_STEPS_BETWEEN_LOOKS, in_look_seconds))
     return frozenset(range(every, inner_steps, every))
+
+
+def agreed_step_seconds(trained: int, window_seconds: float) -> float:
+    """Rank 0's time per inner step in the window just trained (`trained` steps in `window_seconds`), taken by every
+    rank (a barrier): the next window's looks (`looks_within_window`) must fall on the same steps on every rank."""
+    return ray.train.collective.broadcast_from_rank_zero(window_seconds / max(1, trained))
 
 
 def hands_in_early(seconds_left: float, rest_seconds: float, round_seconds: float | None) -> bool:

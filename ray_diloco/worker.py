@@ -12,7 +12,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -109,27 +109,44 @@ def restore_region_state(sync_actor, model, inner_step: InnerStep, rank: int, wo
     committed, and the region's data position after that outer step. Returns the SyncActor's answer
     (`resume_state`: outer_step, progress, worker_checkpoint, stop)."""
     point = ray.get(sync_actor.resume_state.remote(rank, world_size))  # one call: one consistent state
+    restored = restore_from(point, model, inner_step, inner_steps)
+    if rank == 0 and point["outer_step"] > 0:
+        sync_actor.record_event.remote("inner_state_restored" if restored else "inner_state_reset",
+                                       checkpoint=point["worker_checkpoint"])
+    return point
+
+
+def restore_from(point: dict, model, inner_step: InnerStep, inner_steps: int) -> bool:
+    """Load the SyncActor's `point` (its `resume_state`: outer_step, this rank's rows of θ_global, the committed
+    worker checkpoint of that step or None) into the model, the inner AdamW state and the schedule (collective where
+    there is a checkpoint). Returns whether AdamW state was restored (not: it starts anew)."""
     rows = from_wire(point["rows"])
     inner_position = point["outer_step"] * inner_steps
     restored = False
     if point["worker_checkpoint"] is not None:
         meta = load_worker_checkpoint(point["worker_checkpoint"], model, inner_step.optimizer)
-        mismatched = [name for name, p in model.named_parameters() if not _equals_rows(local_shard(p), rows[name])]
-        if mismatched or meta["outer_step"] != point["outer_step"]:
+        if meta["holds_theta_global"]:
+            mismatched = [name for name, p in model.named_parameters()
+                          if not _equals_rows(local_shard(p), rows[name])]
+            consistent = not mismatched and meta["outer_step"] == point["outer_step"]
+            inner_position = meta["inner_step"]
+        else:  # saved at a hand-in of step meta["outer_step"] (save_at_hand_in), for the step its round reached (one
+            # on, a re-sync's later one, or the same after a round in flight was abandoned): θ_global comes from the
+            # SyncActor, and the schedule goes on from that step, as the workers aligned it
+            load_rows(model, rows)
+            mismatched, consistent = [], meta["outer_step"] <= point["outer_step"]
+        if not consistent:
             raise RuntimeError(f"worker checkpoint {point['worker_checkpoint']} (outer step {meta['outer_step']}) "
                                f"does not hold θ_global of outer step {point['outer_step']} ({len(mismatched)} "
                                "tensors differ): the checkpoint store is inconsistent")
-        inner_position = meta["inner_step"]
         # Written by a group that trained no step (restarted after its region's stop): AdamW starts anew, as with no
-        # checkpoint (load_worker_checkpoint leaves it empty), and the event says so.
-        restored = not meta["fresh_inner_state"]
+        # checkpoint (load_worker_checkpoint leaves it empty), and the event says so. So does one saved at a hand-in
+        # whose moments had gone non-finite (the round the region then sat out), as the loop resets them after it.
+        restored = not meta["fresh_inner_state"] and not reset_nonfinite_state(inner_step.optimizer)
     else:
         load_rows(model, rows)
-    if rank == 0 and point["outer_step"] > 0:
-        sync_actor.record_event.remote("inner_state_restored" if restored else "inner_state_reset",
-                                       checkpoint=point["worker_checkpoint"])
     inner_step.align(inner_position)
-    return point
+    return restored
 
 
 def _equals_rows(shard: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -149,10 +166,22 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
         ray.get(sync_actor.commit_checkpoint.remote(outer_step, location))
 
 
+def save_at_hand_in(model, inner_step: InnerStep, experiment_uri: str, outer_step: int, inner_steps: int, rank: int,
+                    world_size: int) -> str:
+    """Under a preemption notice known as the workers hand in outer step `outer_step` (a window ended early, or a
+    look before an overlapped exchange): their part of the checkpoint of the step the round reaches, saved before
+    the round (every rank uploads; collective) and named after the step handed in. AdamW as the workers go on with
+    it, and the model as trained: the loader takes θ_global from the SyncActor instead (`holds_theta_global`), and
+    the schedule from the step the round reached. The SyncActor commits it as the round ends
+    (`policy.commits_hand_in_checkpoint`), so a round that meets the other regions after the deadline, the group
+    gone, still leaves the inner state to the group that follows. Returns where it is stored."""
+    return save_worker_checkpoint(model, inner_step.optimizer, experiment_uri, outer_step,
+                                  (outer_step + 1) * inner_steps, rank, world_size, holds_theta_global=False)
+
+
 def look_for_notice(sync_actor, watch: preemption.NoticeWatch, region: str, rank: int) -> bool:
-    """Whether a preemption notice stands: every rank asks, once a round at the same point (a barrier). Where the
-    workers first see one, rank 0 records it (event and status line), whether or not a round then ends before the
-    deadline (where none does, the group that follows starts AdamW anew)."""
+    """Whether a preemption notice stands: every rank asks at the same point (a barrier; the points are in
+    ray_diloco/preemption.py). Where the workers first see one, rank 0 records it (event and status line)."""
     notice, first_seen = watch.check()
     if first_seen and rank == 0:
         left = watch.deadline() - time.time()
@@ -181,6 +210,37 @@ def ends_window_early(sync_actor, watch: preemption.NoticeWatch, region: str, ra
         status(f"[{region}] outer step {outer_step + 1}: the window ends after {trained} of {inner_steps} inner "
                f"steps, {left:.0f}s before the preemption deadline, so its round and checkpoint end in time")
     return True
+
+
+def wait_for_round(answer, sync_actor, watch: preemption.NoticeWatch, region: str, outer_step: int, rank: int,
+                   save_hand_in: Callable[[], str]) -> tuple[tuple, bool, str | None]:
+    """This rank's answer from the round it handed in (`answer`: its `SyncActorImpl.exchange` call), looking for a
+    preemption notice every ROUND_LOOK_SECONDS while the round waits (for the other regions, or the round in flight):
+    a round may outlast a notice's deadline, and the group Ray Train starts then would begin AdamW anew. Where a look
+    finds one and the round has not ended, rank 0 tells the SyncActor first (`notice_in_round`: a round not yet
+    scheduled blocks, to be checkpointed), the workers save their hand-in checkpoint (`save_hand_in`, collective),
+    and rank 0 offers it (`late_hand_in`). Returns the answer, whether the round runs under the notice (False where
+    it had ended, perhaps overlapped: the next look finds the notice again), and the checkpoint the SyncActor took.
+    Rank 0 decides whether the round ended (a barrier each look): a rank that went on while another looked would
+    block the group. A rank whose own call failed raises at once (Ray Train restarts the group)."""
+    while True:
+        ended = bool(ray.wait([answer], timeout=preemption.ROUND_LOOK_SECONDS if rank == 0 else 0)[0])
+        if ended:
+            ray.get(answer)  # raises where this rank's exchange failed
+        if ray.train.collective.broadcast_from_rank_zero(ended):
+            return ray.get(answer), False, None
+        if not look_for_notice(sync_actor, watch, region, rank):
+            continue
+        in_round = ray.train.collective.broadcast_from_rank_zero(
+            rank == 0 and ray.get(sync_actor.notice_in_round.remote(outer_step)))
+        if not in_round:
+            return ray.get(answer), False, None
+        location = save_hand_in()
+        taken = ray.train.collective.broadcast_from_rank_zero(
+            rank == 0 and ray.get(sync_actor.late_hand_in.remote(outer_step, location)))
+        if rank == 0:
+            sync_actor.record_event.remote("saved_in_round", outer_step=outer_step, taken=taken)
+        return ray.get(answer), True, location if taken else None
 
 
 def round_estimate(exchange_seconds: float, last_round: dict, checkpoint_seconds: float) -> float:
@@ -272,13 +332,31 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                        f" | lr {record.lr:.2e} | {record.tokens / record.seconds:,.0f} tok/s/worker"
                        f" | last sync {last_sync_seconds:.2f}s | peers {peers}")
 
+    def checkpoint_taken(started: float) -> float:
+        """A worker checkpoint saved since `started`: its seconds counted (and returned) and, from rank 0, metered."""
+        nonlocal checkpoint_seconds
+        seconds = time.perf_counter() - started
+        checkpoint_seconds += seconds
+        if rank == 0:
+            metrics.safely(metrics.record_checkpoint, cfg.run.name, region, seconds=seconds)
+        return seconds
+
+    def save_hand_in(handed_in: int) -> str:
+        """The workers' hand-in checkpoint for their round of outer step `handed_in` (save_at_hand_in), timed."""
+        nonlocal last_checkpoint_seconds
+        started = time.perf_counter()
+        location = save_at_hand_in(model, inner_step, loop_config["worker_checkpoints"], handed_in, H, rank,
+                                   world_size)
+        last_checkpoint_seconds = checkpoint_taken(started)
+        return location
+
     outer_step, stopped = start["outer_step"], start["stop"]
     if stopped and start["worker_checkpoint"] is None:  # restarted after the stop's round, before its commit
         checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step, rank,
                           world_size, fresh_inner_state=True)
         checkpoint_seconds = time.perf_counter() - loop_started
-    # Inner steps after which the group looks for a preemption notice mid-window.
-    looks = preemption.looks_within_window(H) if sync_actor is not None else frozenset()
+    # Rank 0's time per inner step in this group's last window: it spaces the mid-window looks for a notice.
+    step_seconds = None
     # What a round with its checkpoint takes (`round_estimate`), for the notice's decisions (rank 0's count): until
     # this group has run a round, the region's last one as the SyncActor timed it, since a notice may come in a
     # restarted group's first window too; None before the SyncActor has run one (a start, resubmit or join).
@@ -286,6 +364,8 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     round_seconds, last_checkpoint_seconds = last_round.get("seconds"), 0.0
     while outer_step < cfg.run.outer_steps and not stopped:
         tokens_this_round, window_started, trained = 0, time.perf_counter(), H
+        # Inner steps after which the group looks for a preemption notice mid-window.
+        looks = preemption.looks_within_window(H, step_seconds) if sync_actor is not None else frozenset()
         step_log.restart_clock()
         for inner in range(H):
             lr = inner_step.lr  # the rate this step uses (the scheduler moves on inside the step)
@@ -301,6 +381,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         tokens_total += tokens_this_round
         window_ended = time.perf_counter()
         if sync_actor is not None:
+            step_seconds = preemption.agreed_step_seconds(trained, window_ended - window_started)
             if rank == 0 and last is not None:  # fire-and-forget, once per round: the driver's live summary line
                 sync_actor.note_inner.remote(last.loss, last.tokens / last.seconds, last.lr)
             test_slowdown(region, outer_step)
@@ -309,9 +390,21 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             # latest news, where the round that just ended can still be checkpointed. A window ended early stands
             # under one already.
             notice = trained < H or (cfg.outer.overlap and look_for_notice(sync_actor, notice_watch, region, rank))
+            hand_in_checkpoint = None
+            # Under a notice the workers checkpoint now, as the round may end after the deadline: the SyncActor commits
+            # it as the round ends (that commit's time counts in the exchange's).
+            if notice:
+                hand_in_checkpoint = save_hand_in(outer_step)
             sync_started = time.perf_counter()
-            reached, rows, stop = ray.get(sync_actor.exchange.remote(
-                outer_step, rank, world_size, shards_of(model), tokens_this_round, batches.progress(), notice))
+            answer = sync_actor.exchange.remote(outer_step, rank, world_size, shards_of(model), tokens_this_round,
+                                                batches.progress(), notice, hand_in_checkpoint)
+            if notice:
+                reached, rows, stop = ray.get(answer)
+            else:  # a notice may come while the round waits: the workers then save as they would have at the hand-in
+                saved_before = checkpoint_seconds
+                (reached, rows, stop), notice, hand_in_checkpoint = wait_for_round(
+                    answer, sync_actor, notice_watch, region, outer_step, rank, lambda: save_hand_in(outer_step))
+                sync_started += checkpoint_seconds - saved_before  # a save in the round counts as a checkpoint's
             load_rows(model, rows)
             if reset_nonfinite_state(inner_step.optimizer):  # this rank's moments went NaN: start them anew
                 sync_actor.record_event.remote("inner_state_reset_nonfinite", rank=rank)
@@ -327,19 +420,20 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 last_round = ray.get(sync_actor.last_round.remote())
                 peers = str(last_round.get("group_size", peers))
                 status(sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round, advanced))
+            # Whether the SyncActor committed the hand-in checkpoint with the state the round reached (it answers every
+            # rank after the commit, so every rank reads the same).
+            committed = hand_in_checkpoint is not None and tuple(
+                ray.get(sync_actor.committed_checkpoint.remote()) or ()) == (reached, hand_in_checkpoint)
             outer_step = reached
             if not cfg.outer.overlap and trained == H:
                 notice = look_for_notice(sync_actor, notice_watch, region, rank)
             metrics.safely(metrics.record_compute_utilization, cfg.run.name, region, rank,
                            1 - (sync_seconds_total + checkpoint_seconds) / (time.perf_counter() - loop_started))
-            if policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop, advanced, notice):
+            if not committed and policy.checkpoints_at(outer_step, cfg.run.checkpoint_every, stop, advanced, notice):
                 checkpoint_started = time.perf_counter()
                 checkpoint_region(sync_actor, model, inner_step, loop_config["worker_checkpoints"], outer_step,
                                   rank, world_size)
-                last_checkpoint_seconds = time.perf_counter() - checkpoint_started
-                checkpoint_seconds += last_checkpoint_seconds
-                if rank == 0:
-                    metrics.safely(metrics.record_checkpoint, cfg.run.name, region, seconds=last_checkpoint_seconds)
+                last_checkpoint_seconds = checkpoint_taken(checkpoint_started)
             round_seconds = round_estimate(last_sync_seconds, last_round, last_checkpoint_seconds)
             if stop:  # the run was asked to stop; started again under its name, it goes on from here
                 stopped = True

@@ -63,14 +63,16 @@ def autoscaling_config(port: int, head_cpus: int, node_types: dict[str, NodeType
 
 
 class AutoscalingHead:
-    def __init__(self, tmp: Path, head_cpus: int, node_types: dict[str, NodeType], idle_minutes: float):
+    def __init__(self, tmp: Path, head_cpus: int, node_types: dict[str, NodeType], idle_minutes: float,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.no_capacity_file = tmp / f"no-capacity-{self.port}"
         config = tmp / "autoscaling.json"
         config.write_text(json.dumps(autoscaling_config(self.port, head_cpus, node_types, idle_minutes,
                                                         self.no_capacity_file)))
-        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # `env`: more variables for every process of the cluster (the autoscaler's nodes inherit the head's)
+        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(env or {})}
         token_mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
         if token_mode:
             subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, capture_output=True, check=True)
@@ -192,10 +194,10 @@ def node_processes(node_id: str, head_pid: int) -> list[int]:
     return [pid for pid in descendants(head_pid) if carries(pid, marker)]
 
 
-def one_region_head(tmp: Path, region: str, idle_minutes: float) -> AutoscalingHead:
+def one_region_head(tmp: Path, region: str, idle_minutes: float, env: dict[str, str] | None = None) -> AutoscalingHead:
     """A region's cluster: a head of 1 CPU (the SyncActor and data tasks; no room for a worker) whose autoscaler
-    starts nodes of 2 CPUs labelled with `region`, one at least and two at most."""
-    return AutoscalingHead(tmp, head_cpus=1, idle_minutes=idle_minutes, node_types={
+    starts nodes of 2 CPUs labelled with `region`, one at least and two at most; `env` reaches all its processes."""
+    return AutoscalingHead(tmp, head_cpus=1, idle_minutes=idle_minutes, env=env, node_types={
         f"{region}-cpu2": NodeType(cpus=2, labels={REGION_LABEL: region}, min_nodes=1, max_nodes=2)})
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Shared fixtures: one local Ray cluster per test module that needs it, and small run configs."""
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -22,6 +23,25 @@ from ray_diloco.presets import tiny_cpu
 from ray_diloco.sync.parent_bound import alive
 
 RAY = str(Path(sys.executable).with_name("ray"))  # the `ray` command of this environment
+
+# An averager's process forks from the pytest process, and pytest's log capture stays behind in each child: its
+# records were lost. Its warnings (a failed all-reduce says how far each stream got) go to stderr instead, so a failing
+# test's captured output shows them.
+class _ToCurrentStderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record: pytest swaps it for each test's capture (capfd included)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+_averager_log = logging.getLogger("ray_diloco.sync.hivemind_exact")
+_averager_log.addHandler(_ToCurrentStderr())
+_averager_log.setLevel(logging.WARNING)
 
 # multiprocessing's resource tracker lives as long as pytest once a module spawns a process: started now, before any
 # module's mark (tests/leftovers.py), so that no module is taken to have left it running.

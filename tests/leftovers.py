@@ -57,7 +57,7 @@ def clock_ticks_now() -> int:
         return int(float(uptime.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
 
 
-def _command(pid: int) -> str:
+def command_line(pid: int) -> str:
     """The command line ("" for a zombie: dead, only not reaped yet; or for a process gone meanwhile)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as file:
@@ -83,7 +83,7 @@ def started_by(mark: str, since_ticks: int) -> dict[int, str]:
     found = {}
     for pid, (_, started) in table.items():
         if pid != os.getpid() and ((pid in ours and started >= since_ticks) or carries(pid, wanted)):
-            if command := _command(pid):
+            if command := command_line(pid):
                 found[pid] = command
     return found
 

@@ -54,6 +54,15 @@ class Rules:
     # A mutation, not an old rule (the workers have told the SyncActor of a notice since 0539e53): an overlapped round
     # under a notice, which cannot be checkpointed, as the property tests must catch
     notice_blocks: bool = True
+    # (the workers before the hand-in checkpoint) under a notice they told, they saved their part after the round
+    # only: a round that met the other regions after the deadline left the next group to start AdamW anew
+    checkpoint_at_hand_in: bool = True
+    # (the workers before worker.wait_for_round) they did not look for a notice while they waited in a round: one that
+    # came then, with the round ending after its deadline, left no checkpoint of the round's step
+    looks_in_round: bool = True
+    # (the workers before preemption.LOOK_SECONDS) their mid-window looks were a ninth of a window apart however slow
+    # its steps: a notice shorter than that (a window of 3.4 s steps in CI: 24 s) could come and go between two
+    looks_by_time: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,9 @@ class _Region:
     last_window_seconds: float = 0.0  # the last window's time for H inner steps
     worker_checkpoint: int | None = None  # the outer step of the newest worker checkpoint (inner AdamW state)
     group_started: float = 0.0  # when its worker group (Ray Train's) last started
+    # (group_started of the group that trained it, seconds per inner step) of the last window: a group's workers space
+    # their mid-window looks by their own last window (preemption.looks_within_window), none before their first
+    step_timing: tuple[float, float] | None = None
     looks: list[float] = field(default_factory=list)  # when the group's workers looked for a notice (and its start)
 
 

@@ -3,8 +3,10 @@ cloud's notice and its deadline, with the workers' own decisions (ray_diloco/pre
 looks fall, whether to hand in early, whether to wait for the deadline; `worker.round_estimate`).
 
 A notice (`RegionPlan.notices`: when, and seconds to its deadline) is seen by the workers at their next look:
-mid-window (`looks_within_window` of `Schedule.inner_steps`), and once a round (after it; before the exchange with
-outer.overlap). A look that finds the rest of the window with its round would not end in time ends the window there
+mid-window (`looks_within_window` of `Schedule.inner_steps` and, after the group's first window, the time per
+step its last window took), once a round (after it; before the exchange with
+outer.overlap), and every ROUND_LOOK_SECONDS while they wait in a blocking round (`worker.wait_for_round`: then they
+save their hand-in checkpoint, and the SyncActor commits it as the round ends). A look that finds the rest of the window with its round would not end in time ends the window there
 (`hands_in_early`): its Δ is that many steps' update, weighted by its tokens. A round under a notice blocks
 (`policy.may_overlap(..., notice=True)`) and is checkpointed (`policy.checkpoints_at`); after it the group waits for
 the deadline where another window with its round might not end before it (`trains_through_notice`). At the deadline
@@ -19,7 +21,9 @@ last look that found no notice (`region.looks`, `_believed_deadline`), as `preem
 late. Where that look was long before the drain (a hung round), they wake NOTICE_GRACE_SECONDS past their deadline
 and train on (`Outcome.woke_before_deadline`) until Ray Train's cuts them off. Not modelled: a deadline while the
 region settles at the run's end (it ends there), the time a checkpoint takes, the barrier of a look (it takes no
-time here), and Ray Train detecting a drain later than it came.
+time here), Ray Train detecting a drain later than it came, and the looks while the workers wait for the round in
+flight before an overlapped one (a notice found there makes the actor's round block; here it is seen at the next
+mid-window look).
 
 A mixin of `Simulator`: the world's state lives in protocol_world.py, a region's in protocol_model._Region.
 """
@@ -29,7 +33,8 @@ from __future__ import annotations
 from protocol_model import RegionPlan, _Region
 
 from ray_diloco import preemption
-from ray_diloco.preemption import NOTICE_GRACE_SECONDS, UNSTATED_DEADLINE_SECONDS, WATCHER_LEAD_SECONDS
+from ray_diloco.preemption import (NOTICE_GRACE_SECONDS, ROUND_LOOK_SECONDS, UNSTATED_DEADLINE_SECONDS,
+                                   WATCHER_LEAD_SECONDS)
 from ray_diloco.worker import round_estimate
 
 
@@ -100,7 +105,10 @@ class Notices:
         if not self.rules.looks_mid_window:  # the workers before 70aebf1: once a round only
             return None
         plan, steps = region.plan, self.s.inner_steps
-        for trained in sorted(preemption.looks_within_window(steps)):
+        timing = region.step_timing
+        step_seconds = (timing[1] if self.rules.looks_by_time and timing is not None
+                        and timing[0] == region.group_started else None)
+        for trained in sorted(preemption.looks_within_window(steps, step_seconds)):
             at = started + full * trained / steps
             deadline = self._believed_deadline(region, at)
             region.looks.append(at)  # (one after a restart cut the window off: the next group looks anew)
@@ -110,13 +118,28 @@ class Notices:
                 return at, trained
         return None
 
-    def _group_ended_in_round(self, region: _Region, came_in: float, until: float, early: bool):
+    def _found_in_round(self, region: _Region, came_in: float, until: float) -> bool:
+        """As worker.wait_for_round: while the workers wait in a blocking round (from `came_in` to its end, `until`)
+        they look for a notice every ROUND_LOOK_SECONDS until the group ends (a deadline, a restart). Whether a look
+        found one: the workers then saved their hand-in checkpoint, which the SyncActor took for the round (it had
+        not ended: `late_hand_in`) as if they had told it with their hand-in."""
+        last = min([until, *(end for end in self._group_ends(region) if end > came_in)])
+        at = came_in + ROUND_LOOK_SECONDS
+        while at < last:
+            region.looks.append(at)
+            if self._deadline(region, at) is not None:
+                return True
+            at += ROUND_LOOK_SECONDS
+        return False
+
+    def _group_ended_in_round(self, region: _Region, came_in: float, until: float, early: bool, kept: bool = False):
         """Deadlines and the schedule's restarts that passed while the workers were in the exchange, from `came_in`
         to `until` (the round's end, or an overlapped round's hand-in), in the order they came: each ends the group
         there (the notices of the group Ray Train starts then are its own), so no checkpoint of the round's step (the
-        workers save their part before the SyncActor commits); the last group waits in resume_state for the round.
-        The next group starts `restart_seconds` after the last end. `early`: the round of a window ended early
-        ("outlived early", the first end). Returns whether any did."""
+        workers save their part after the round, before the SyncActor commits) unless they saved it as they handed
+        in under a notice (`kept`: the SyncActor commits it, "kept"); the last group waits in resume_state for the
+        round. The next group starts `restart_seconds` after the last end. `early`: the round of a window ended
+        early ("outlived early", the first end). Returns whether any did."""
         name, since, ended = region.plan.name, came_in, []
         while True:
             deadline = min((end for _, end in self._notices(region) if since < end <= until), default=None)
@@ -127,7 +150,8 @@ class Notices:
                 self.out.restarted_in_round.append((name, restart, region.outer.step_count))
                 since = restart
             else:
-                self.out.deadlines.append((name, deadline, "outlived early" if early and not ended else "outlived"))
+                lost = "outlived early" if early and not ended else "outlived"
+                self.out.deadlines.append((name, deadline, "kept" if kept else lost))
                 since = deadline
             region.group_started = since
             ended.append(since)

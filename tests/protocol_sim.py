@@ -144,6 +144,9 @@ class Simulator(Hangs, Notices, DriverStops, World):
             return None
         self._no_deadline_passed(region)
         yield end - self.now
+        # What the next window's looks use: the steps' time, as the workers take it (their clock stops before the
+        # exchange, so not the wait for a round in flight that an overlapped window's end includes here)
+        region.step_timing = (region.group_started, region.last_window_seconds / s.inner_steps)
         update = window_update(name, window, base_theta)
         if trained < s.inner_steps:  # those steps' share of the window's update
             self.out.early.append((name, window, trained))
@@ -152,6 +155,7 @@ class Simulator(Hangs, Notices, DriverStops, World):
         if region.overlapped is not None:
             return window, base_theta, local, {k: base_theta[k] - local[k] for k in base_theta}, started, trained
         if rules.check_exchange_step and base_step != region.outer.step_count:
+            region.step_timing = None  # (a group that starts anew has timed no window)
             return None  # refused: the group restarts and takes the current state
         if base_digest != region.digest:
             self.out.violations.append(f"base: {name} sent a Δ trained from {base_digest[:6]} against "
@@ -240,7 +244,8 @@ class Simulator(Hangs, Notices, DriverStops, World):
         else:
             agreement = None
         return (yield from self._after_round(region, window, arrived, before_round, advanced=not abandoned,
-                                             agreement=agreement, handed_in=came_in, told=told, early=early))
+                                             agreement=agreement, handed_in=came_in, told=told, early=early,
+                                             in_background=hangs_after_step))
 
     def _consume(self, region: _Region, window: int) -> None:
         """The window's batches were read: the region's data position moves past it."""
@@ -268,12 +273,13 @@ class Simulator(Hangs, Notices, DriverStops, World):
 
     def _after_round(self, region: _Region, window: int, arrived: float, before_round: tuple, advanced: bool,
                      agreement: tuple | None = None, handed_in: float = 0.0, told: bool = False,
-                     early: bool = False):
+                     early: bool = False, in_background: bool = False):
         """The window counted, a checkpoint where the workers take one (not again for an abandoned round, which
         did not advance), then the end (T reached, or a stop), or under a preemption notice the wait for its
         deadline. `agreement`: for a round that averaged, (what the region handed in with its Δ, the group's
         gathers, the round's log); `told`: the workers told the SyncActor of a notice with their hand-in; `early`:
-        their window ended early. Returns True when the region ended."""
+        their window ended early; `in_background`: the round hung after its step and finishes in the background.
+        Returns True when the region ended."""
         name, s = region.plan.name, self.s
         if region.outer.step_count > s.target:
             self.out.violations.append(f"overshoot: {name} reached step {region.outer.step_count} > {s.target}")
@@ -284,7 +290,17 @@ class Simulator(Hangs, Notices, DriverStops, World):
         in_exchange_until = self.now if region.overlapped is None else region.overlapped[1]
         if region.overlapped is None:
             self.out.blocking_rounds.append((name, handed_in, self.now))
-        ended = yield from self._group_ended_in_round(region, handed_in, in_exchange_until, early=early)
+        # Not told with the hand-in, the workers look while they wait in a blocking round; one found, they save their
+        # part then, as they would have at the hand-in (worker.wait_for_round).
+        if not told and region.overlapped is None and self.rules.looks_in_round:
+            told = self._found_in_round(region, handed_in, in_exchange_until)
+        # Under a notice they told, the workers saved their part as they handed in, and the SyncActor commits it as
+        # the round ends, the group there or not (SyncActorImpl.exchange).
+        # (`before_round`: the step the round started from, after the round in flight, as SyncActorImpl's round_from)
+        kept_at_hand_in = (told and self.rules.checkpoint_at_hand_in and policy.commits_hand_in_checkpoint(
+            before_round[0], region.outer.step_count, region.overlapped is not None, in_background=in_background))
+        ended = yield from self._group_ended_in_round(region, handed_in, in_exchange_until, early=early,
+                                                      kept=kept_at_hand_in)
         if stopping and region.overlapped is not None:  # Rounds._stopped_in_flight: they end at their next hand-in
             window_from = region.overlapped[1]
             yield from self._end_window_in_flight(region)  # and checkpoint then (a crash before: no checkpoint)
@@ -298,8 +314,11 @@ class Simulator(Hangs, Notices, DriverStops, World):
         notice = told or (looks_after and self._deadline(region, self.now) is not None)
         # The workers save first, then the SyncActor commits: a group gone commits nothing, but the one Ray Train
         # starts after a stop's round checkpoints (with AdamW anew: SyncActorImpl.resume_state's stop).
-        if policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced,
-                                 notice=notice and not ended) and (stopping or not ended):
+        if kept_at_hand_in:
+            self._commit(region)
+            region.worker_checkpoint = region.outer.step_count
+        elif policy.checkpoints_at(region.outer.step_count, s.checkpoint_every, stopping=stopping, advanced=advanced,
+                                   notice=notice and not ended) and (stopping or not ended):
             self._commit(region)
             if not ended and region.overlapped is None:  # the workers' part: their inner AdamW state
                 region.worker_checkpoint = region.outer.step_count

@@ -20,9 +20,9 @@ def orphan(env) -> int:
 
 def gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
-    while leftovers._command(pid) and time.monotonic() < deadline:
+    while leftovers.command_line(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not leftovers._command(pid)
+    return not leftovers.command_line(pid)
 
 
 def test_a_process_left_behind_is_found_by_its_mark_or_start_and_killed():

@@ -1,14 +1,18 @@
 """Hivemind's processes end with the process that forked them (ray_diloco/sync/parent_bound.py): a SyncActor's
 process killed outright (a dying raylet's SIGKILL) left its DHT node, its p2p daemon and its round's averager
 running for ever, and their socket files stayed in /tmp. Here the forking process is a Python process of the
-test's own, SIGKILLed."""
+test's own, SIGKILLed. Last, a round's averager that does not answer its shutdown leaves its stacks before it is
+terminated."""
 
+import asyncio
 import os
 import select
 import signal
 import subprocess
 import sys
 import textwrap
+
+import torch
 
 from conftest import assert_gone
 from leftovers import descendants
@@ -76,3 +80,28 @@ def test_a_forked_process_that_watches_its_parent_ends_with_it_and_takes_its_chi
         print(child.pid, flush=True)
     """, seconds=10)
     assert len(below) == 2, below  # the child and its `sleep`
+
+
+def test_an_averager_that_does_not_shut_down_leaves_its_stacks_before_it_is_terminated(monkeypatch, capfd):
+    """A round's averager (a forked child) that does not answer its shutdown is terminated; first it writes every
+    thread's stack to stderr (the SyncActor's log), so an all-reduce that stalled says where (CI saw two, with
+    the child unresponsive: issue 22's note)."""
+    import hivemind
+
+    from ray_diloco.sync.hivemind_exact import ExactAverager
+
+    async def never_ends(self, timeout):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(ExactAverager, "_shutdown", never_ends)  # the child inherits it (fork)
+    dht = hivemind.DHT(start=True)
+    try:
+        averager = ExactAverager([torch.zeros(4)], dht, prefix="stacks", target_group_size=2, min_group_size=2,
+                                 shutdown_timeout=1.0)
+        averager.run_in_background(await_ready=True, timeout=30)
+        averager.shutdown()
+        assert not averager.is_alive()
+    finally:
+        dht.shutdown()
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "hivemind_exact.py" in err and "in run" in err, err[-2000:]

@@ -32,6 +32,7 @@ from ray_diloco.sync.policy import (
     Wait,
     checkpoints_at,
     choose_canonical,
+    commits_hand_in_checkpoint,
     final_state,
     join_target,
     may_overlap,
@@ -201,6 +202,19 @@ def test_checkpoints_every_k_steps_and_where_the_run_stops():
     # ... an abandoned round's too: the notice's checkpoint is what the group restarted after the deadline loads
     assert checkpoints_at(3, 3, stopping=False, advanced=False, notice=True)
     assert checkpoints_at(4, 0, stopping=False, advanced=False, notice=True)
+
+
+def test_a_hand_in_checkpoint_is_committed_with_the_state_its_round_reached_unless_abandoned_or_overlapped():
+    """The workers' checkpoint saved at a hand-in holds the AdamW state they go on with from the step their round
+    reached: committed with θ_global of that step where the round, run blocking from step 3, moved the region on (to
+    4, or re-synced to a later one); not after an abandoned round, one finishing in the background, one that
+    overlapped, or where no round of its own ran."""
+    assert commits_hand_in_checkpoint(3, 4)
+    assert commits_hand_in_checkpoint(3, 6)  # re-synced to a later state
+    assert not commits_hand_in_checkpoint(3, 3)  # the round was abandoned: the workers checkpoint after it as ever
+    assert not commits_hand_in_checkpoint(3, 4, in_background=True)  # tokens and data position not yet counted
+    assert not commits_hand_in_checkpoint(3, 4, overlapped=True)  # the state handed back is not θ_global itself
+    assert not commits_hand_in_checkpoint(None, 4)  # an overlapped round in flight agreed to stop: no round of its own
 
 
 

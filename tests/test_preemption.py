@@ -100,6 +100,34 @@ def test_the_group_looks_for_a_notice_a_few_times_a_window_never_after_its_last_
     assert preemption.looks_within_window(inner_steps) == looks
 
 
+@pytest.mark.parametrize("inner_steps,step_seconds,looks", [
+    (60, 3.4, set(range(1, 60))),  # a step outlasts LOOK_SECONDS: a look after each (a ninth would be 24 s apart)
+    (60, 1.5, set(range(3, 60, 3))),  # int(5 / 1.5) = 3 steps: 4.5 s apart, closer than MIN_STEPS (7.5 s)
+    (500, 0.3, set(range(16, 500, 16))),  # GPU-like: 16 steps in 5 s, where a ninth (56 steps) is 17 s
+    (60, 0.5, {7, 14, 21, 28, 35, 42, 49, 56}),  # a ninth (3.5 s) comes sooner than 5 s: as without the time
+    (20, 0.05, {5, 10, 15}),  # fast steps: a ninth (3) is closer than MIN_STEPS_BETWEEN_LOOKS, which holds
+])
+def test_where_the_last_window_had_slow_steps_the_group_looks_at_least_every_look_seconds(inner_steps, step_seconds,
+                                                                                         looks):
+    assert preemption.looks_within_window(inner_steps, step_seconds) == looks
+
+
+def test_a_window_of_known_step_time_is_looked_at_no_less_often_and_within_look_seconds():
+    for inner_steps in (1, 4, 5, 6, 12, 50, 60, 101, 500, 2000):
+        without = sorted(preemption.looks_within_window(inner_steps))
+        for step_seconds in (0.001, 0.05, 0.3, 0.99, 1.0, 1.7, 4.9, 5.0, 12.0):
+            looks = sorted(preemption.looks_within_window(inner_steps, step_seconds))
+            assert all(0 < step < inner_steps for step in looks)
+            assert len(looks) >= len(without)
+            if looks:
+                gap = looks[0]
+                assert looks == list(range(gap, inner_steps, gap))  # evenly spaced
+                assert gap * step_seconds <= max(preemption.LOOK_SECONDS, step_seconds)  # at least every 5 s
+                # never closer than MIN_STEPS_BETWEEN_LOOKS, unless those steps take longer than LOOK_SECONDS
+                assert gap >= preemption.MIN_STEPS_BETWEEN_LOOKS or (
+                    preemption.MIN_STEPS_BETWEEN_LOOKS * step_seconds > preemption.LOOK_SECONDS)
+
+
 def test_mid_window_looks_are_at_most_eight_spread_over_the_window_and_never_too_close():
     for inner_steps in range(1, 2001):
         looks = sorted(preemption.looks_within_window(inner_steps))

@@ -114,3 +114,115 @@ def test_a_restarted_group_waits_for_the_dying_groups_commit_and_loads_that_chec
     assert location is not None and commit_done_first
     assert (point["outer_step"], point["worker_checkpoint"]) == (1, "worker-checkpoint-1"), point
     assert actor.store.steps() == [1]
+
+
+def test_a_hand_in_checkpoint_is_committed_as_its_round_ends_and_a_group_restarted_in_the_round_loads_it(tmp_path):
+    """Under a preemption notice the workers save their part of the checkpoint as they hand in; the round may end
+    after the deadline, with the group gone. The SyncActor commits that checkpoint with the round's state before it
+    answers, so the group Ray Train starts meanwhile (it waits in resume_state for the round) continues from it,
+    AdamW included. A round without one commits nothing (the workers checkpoint after it, where they do)."""
+    actor = SyncActorImpl(config(tmp_path, "hand-in", [1], outer_steps=3, matchmaking_seconds=MM), "r0")
+    actor.register_worker(0, 1, 100, "host")
+    save = actor.store.save
+
+    def slow_save(checkpoint):
+        time.sleep(1.0)  # the bucket takes its time: the restarted group asks meanwhile
+        return save(checkpoint)
+
+    try:
+        async def rounds():
+            await actor.exchange(0, 0, 1, trained(actor, 40), tokens=1000)  # no notice: no commit
+            committed_before = actor.store.steps()
+            actor.store.save = slow_save
+            round_ = asyncio.ensure_future(actor.exchange(1, 0, 1, trained(actor, 41), tokens=400, notice=True,
+                                                          hand_in_checkpoint="hand-in-of-2"))
+            await asyncio.sleep(0.3)  # the round and its commit are under way; the deadline ends the group
+            actor.register_worker(0, 1, 200, "host")
+            point = await actor.resume_state(0, 1)
+            return committed_before, point, await round_
+
+        committed_before, point, (reached, _, stop) = asyncio.run(rounds())
+    finally:
+        actor.shutdown()
+    assert committed_before == []
+    assert reached == 2 and not stop
+    assert (point["outer_step"], point["worker_checkpoint"]) == (2, "hand-in-of-2"), point
+    assert actor.committed_checkpoint() == (2, "hand-in-of-2")  # what the workers ask after the round
+    assert actor.store.steps() == [2]
+    saved = actor.store.load(2)
+    assert saved.worker_checkpoint == "hand-in-of-2" and saved.outer_step == 2
+    assert all(torch.equal(saved.theta[name], value) for name, value in actor.global_state().items())
+
+
+def test_a_hand_in_checkpoint_that_cannot_be_committed_costs_the_checkpoint_not_the_round(tmp_path):
+    """The bucket fails as the SyncActor commits the workers' hand-in checkpoint: the round still ends for every
+    rank, the failure is an event, and the workers, asking what was committed, see it was not (they checkpoint after
+    the round themselves)."""
+    actor = SyncActorImpl(config(tmp_path, "hand-in-fails", [1], outer_steps=3, matchmaking_seconds=MM), "r0")
+    actor.register_worker(0, 1, 100, "host")
+
+    def failing_save(checkpoint):
+        raise OSError("the bucket is gone")
+
+    actor.store.save = failing_save
+    try:
+        reached, _, stop = asyncio.run(actor.exchange(0, 0, 1, trained(actor, 42), tokens=400, notice=True,
+                                                      hand_in_checkpoint="hand-in-of-1"))
+    finally:
+        actor.shutdown()
+    assert reached == 1 and not stop
+    assert actor.committed_checkpoint() is None
+    assert [e["outer_step"] for e in actor.events if e["event"] == "checkpoint_failed"] == [1]
+
+
+def test_a_checkpoint_saved_while_the_round_waits_is_committed_for_that_round_and_only_for_it(tmp_path):
+    """A preemption notice comes while the workers wait in their round (worker.wait_for_round): they tell the
+    SyncActor (`notice_in_round`), save their hand-in checkpoint, and offer it (`late_hand_in`). Rounds take a second
+    here (the other regions are late). With outer.overlap:
+    - step 1's hand-in waits for round 0 in flight when the notice comes: its round blocks instead of overlapping
+      (one under a notice is checkpointed) and commits the checkpoint as it ends, with the step it reached;
+    - step 3's hand-in (the run's last round, blocking) is told of a notice as it waits for round 2 in flight, and
+      the round ends while the workers save: the checkpoint offered after it is committed then (the state is still
+      the one that round reached);
+    - told of a notice after its round was answered (rounds 0 and 2, overlapped), or offered a checkpoint for a round
+      whose state has moved on, the SyncActor refuses: the workers go on, or checkpoint after the round themselves."""
+    cfg = config(tmp_path, "late-hand-in", [1], outer_steps=4, matchmaking_seconds=MM)
+    cfg["outer"]["overlap"] = True
+    actor = SyncActorImpl(cfg, "r0")
+    actor.register_worker(0, 1, 100, "host")
+    run_round = actor._run_round
+
+    async def late_round(*args):
+        await asyncio.sleep(1.0)
+        return await run_round(*args)
+
+    actor._run_round = late_round
+    try:
+        async def rounds():
+            answered_at_once = (await actor.exchange(0, 0, 1, trained(actor, 43), tokens=1000))[0]  # overlapped
+            second = asyncio.ensure_future(actor.exchange(1, 0, 1, trained(actor, 44), tokens=1000))
+            await asyncio.sleep(0.3)  # the hand-in of step 1 waits for round 0; the notice comes now
+            told = {0: actor.notice_in_round(0), 1: actor.notice_in_round(1)}
+            taken = {1: await actor.late_hand_in(1, "saved-in-round-1")}
+            committed = {"round 0": actor.committed_checkpoint()}
+            reached = [(await second)[0]]
+            reached.append((await actor.exchange(2, 0, 1, trained(actor, 45), tokens=1000))[0])  # overlapped
+            told[2] = actor.notice_in_round(2)  # answered already: the workers go on (their next look finds it)
+            last = asyncio.ensure_future(actor.exchange(3, 0, 1, trained(actor, 46), tokens=1000))
+            await asyncio.sleep(0.3)  # it waits for round 2 in flight, then runs blocking (the run's last)
+            told[3] = actor.notice_in_round(3)
+            committed["round 2"] = actor.committed_checkpoint()
+            reached.append((await last)[0])  # the round ends while the workers save
+            taken[3] = await actor.late_hand_in(3, "saved-as-round-3-ended")
+            taken["1 again"] = await actor.late_hand_in(1, "saved-after-round-1")  # the state is at step 4 now
+            return answered_at_once, told, taken, committed, reached
+
+        answered_at_once, told, taken, committed, reached = asyncio.run(rounds())
+    finally:
+        actor.shutdown()
+    assert answered_at_once == 1 and told == {0: False, 1: True, 2: False, 3: True}
+    assert taken == {1: True, 3: True, "1 again": False}
+    assert committed == {"round 0": None, "round 2": (2, "saved-in-round-1")}
+    assert reached == [2, 3, 4] and [r["overlapped"] for r in actor.history] == [True, False, True, False]
+    assert actor.committed_checkpoint() == (4, "saved-as-round-3-ended")
+    assert actor.store.steps() == [2, 4] and actor.store.load(4).worker_checkpoint == "saved-as-round-3-ended"

@@ -16,9 +16,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from conftest import SameBatch, run_gloo_ranks
 
-from ray_diloco.inner_step import InnerStep, shard_model
+from ray_diloco.inner_step import InnerStep, local_shard, shard_model
 from ray_diloco.model import build_model
 from ray_diloco.presets import tiny_cpu
+from ray_diloco.sharding import to_wire
+from ray_diloco.worker import restore_from
 from ray_diloco.worker_checkpoint import load_worker_checkpoint, write_worker_checkpoint
 
 VOCAB = 320
@@ -81,7 +83,8 @@ def test_a_checkpoint_written_by_two_workers_loads_into_one_resharded(tmp_path):
     ((meta, loaded),) = run_gloo_ranks(functools.partial(_load, directory), world=1, rows=1)
     written, loaded = _read(written), _read(loaded)
 
-    assert meta == {"outer_step": 5, "inner_step": 3, "world_size": 2, "fresh_inner_state": False}
+    assert meta == {"outer_step": 5, "inner_step": 3, "world_size": 2, "fresh_inner_state": False,
+                    "holds_theta_global": True}
     assert written["model"].keys() == loaded["model"].keys()
     for name, value in written["model"].items():
         assert torch.equal(loaded["model"][name], value), name
@@ -113,3 +116,44 @@ def test_a_checkpoint_of_a_group_that_trained_nothing_loads_as_a_fresh_adamw(tmp
     would count one step already taken. Marked fresh, it loads with no state, as a group with no checkpoint starts."""
     loaded = run_gloo_ranks(functools.partial(_untrained_round_trips, str(tmp_path)), world=1, rows=2)
     assert loaded == [(False, [1.0]), (True, [])]  # unmarked: what the load would have restored
+
+
+def _hand_in_restores(directory: str, rank: int, port: int, results) -> None:
+    """A group trains 3 steps and saves at its hand-in of outer step 1 (H = 3; the model θ_local); θ_global of the
+    step its round reached differs. For the round reaching step 2, then (re-synced) step 3, a new group restores the
+    SyncActor's point with that checkpoint: puts (restored, the new model's parameters equal θ_global, its AdamW state
+    equals the saved one, the schedule's position); then for a point of step 0, before the hand-in: the error."""
+    model, step = _group(1, port, rank)
+    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    for _ in range(3):
+        step(SameBatch(batch))
+    write_worker_checkpoint(model, step.optimizer, directory, outer_step=1, inner_step=6, rank=rank, world_size=1,
+                            holds_theta_global=False)
+    saved = _read(_full_state(model, step.optimizer))
+    theta_global = {name: local_shard(p).detach().clone() + 0.25 for name, p in model.named_parameters()}
+    for reached in (2, 3, 0):
+        model, step = _model_and_step(1)
+        point = {"outer_step": reached, "rows": to_wire(theta_global), "worker_checkpoint": directory}
+        try:
+            restored = restore_from(point, model, step, inner_steps=3)
+        except RuntimeError as error:
+            results.put(str(error))
+            continue
+        loaded = _read(_full_state(model, step.optimizer))
+        results.put((restored, all(torch.equal(local_shard(p).detach(), theta_global[name])
+                                   for name, p in model.named_parameters()),
+                     all(torch.equal(loaded["optim"][name][key], value) for name, state in saved["optim"].items()
+                         for key, value in state.items()),
+                     step.scheduler.last_epoch))
+    dist.destroy_process_group()
+
+
+def test_a_hand_in_checkpoint_restores_adamw_with_theta_global_from_the_sync_actor(tmp_path):
+    """The workers' checkpoint saved as they handed in under a preemption notice (worker.save_at_hand_in) holds their
+    own trained θ, not θ_global of the step the round reached: the restarted group takes θ_global from the
+    SyncActor's point, AdamW from the checkpoint and the schedule from the step reached (a re-sync's later one too).
+    (Checked as a θ_global one, it was refused as an inconsistent store.) A point older than the checkpoint is
+    refused."""
+    results = run_gloo_ranks(functools.partial(_hand_in_restores, str(tmp_path / "hand-in")), world=1, rows=3)
+    assert results[:2] == [(True, True, True, 6), (True, True, True, 9)]
+    assert "does not hold θ_global of outer step 0" in results[2] and "inconsistent" in results[2]

@@ -49,7 +49,7 @@ from ray_diloco.model import build_model, parameter_state
 from ray_diloco.network import region_network
 from ray_diloco.sharding import from_wire, rows_for_rank, to_wire
 from ray_diloco.sync.averaging import RegionAverager
-from ray_diloco.sync.bounded import LISTING_SECONDS, BoundedCalls
+from ray_diloco.sync.bounded import BoundedCalls
 from ray_diloco.sync.checkpoints import Checkpoints
 from ray_diloco.sync.compressed import CompressedRounds
 from ray_diloco.sync.membership import Membership
@@ -163,6 +163,8 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self.workers_step = 0
         self._in_flight: asyncio.Future | None = None
         self._in_flight_shards: PendingRound | None = None  # the hand-in of the round in flight (its data position)
+        # (workers' step, round_from, reached) of the last round that ended blocking, for late_hand_in
+        self._last_blocking_round: tuple[int, int | None, int] | None = None
         # Bumped when a round is abandoned: its executor threads (rendezvous, loads, settling) run on, but may
         # change nothing after that (Membership checks it before each step and under _state_lock).
         self._generation = 0
@@ -260,7 +262,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         while the actor moves to θ_{N+1} (its next Δ would be computed against the wrong base)."""
         running = self._running_round
         if running is not None:  # the round in flight ends first, then this one: each within the bound
-            await asyncio.wait_for(running.wait(), timeout=2 * self._await_bound() + 60.0)
+            await asyncio.wait_for(running.wait(), timeout=2 * self._await_bound() + self._commit_bound() + 60.0)
         try:  # an overlapped round in flight ends first; the new group starts from θ_global (its drift is gone)
             await self._finish_in_flight()
         except asyncio.TimeoutError:  # still running: it must not move θ_global under the new group
@@ -269,7 +271,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
             pass
         committing = self._committing
         if committing is not None:  # the dying group's commit first: a second one of the step would replace it
-            await asyncio.wait_for(committing.wait(), timeout=self._download_seconds() + LISTING_SECONDS + 60.0)
+            await asyncio.wait_for(committing.wait(), timeout=self._commit_bound() + 60.0)
         self.base = None
         self._handed_back = self._round_ended = time.perf_counter()
         # Any worker count: the rows are cut for this group, the worker checkpoint re-shards on load, and the data
@@ -314,6 +316,8 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
             "record": dataclasses.asdict(self._published) if self._published else None,
             "events": list(self.events), "peers_rejected": self.peers_rejected,
             "worker_nodes": list(self.worker_nodes),
+            # outer steps whose workers have handed in and wait (an overlapped round leaves as they are answered)
+            "rounds_handed_in": sorted(self._rounds),
         }
 
     # -- the outer step ------------------------------------------------------------------------------
@@ -323,14 +327,17 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self.stop_requested = True
 
     async def exchange(self, outer_step: int, rank: int, world_size: int, shards: dict[str, np.ndarray],
-                       tokens: int, progress: dict | None = None,
-                       notice: bool = False) -> tuple[int, dict[str, np.ndarray], bool]:
+                       tokens: int, progress: dict | None = None, notice: bool = False,
+                       hand_in_checkpoint: str | None = None) -> tuple[int, dict[str, np.ndarray], bool]:
         """Called by every rank after H inner steps (fewer where a preemption notice ended the window early) with its
         shards (`outer_step` counts the region's own rounds; shards and rows as `to_wire` arrays); returns the outer
         step now reached (ahead of the workers' count after a re-sync), the rank's rows, and whether to stop there
         (the same answer for every rank). `notice`: a preemption notice stands (the same on every rank), so the
         workers checkpoint this round and it must not overlap (ray_diloco/preemption.py); told where outer.overlap
-        is on or the window ended early, else the workers look for a notice after the round."""
+        is on or the window ended early, else the workers look for a notice after the round. `hand_in_checkpoint`:
+        the worker checkpoint the workers saved before this call under that notice; committed here as the round
+        ends (`policy.commits_hand_in_checkpoint`), before any rank is answered and whether or not the group is
+        still there (a deadline may end it while the round waits for the other regions)."""
         if self.group_workers is not None and world_size != self.group_workers:  # a late call of a resized group
             raise RuntimeError(f"[{self.region}] rank {rank} of a group of {world_size} exchanges, but the region's "
                                f"group has {self.group_workers} workers now")
@@ -344,6 +351,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         pending.tokens_by_rank[rank] = tokens
         pending.progress_by_rank[rank] = progress
         pending.notice = pending.notice or notice
+        pending.hand_in_checkpoint = pending.hand_in_checkpoint or hand_in_checkpoint
         if len(pending.shards) == world_size:
             self._running_round = pending.done
             try:
@@ -352,6 +360,9 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
                 pending.stop = self.stop_requested if pending.stop_agreed is None else pending.stop_agreed
                 if pending.stop:
                     self._stop_at = pending.reached
+                await self._commit_hand_in(pending)
+                if not pending.overlapped and self._in_flight_shards is not pending:  # for a late hand-in checkpoint
+                    self._last_blocking_round = (outer_step, pending.round_from, pending.reached)
             except BaseException as error:  # every waiting rank must see it, not only the last one
                 pending.error = error
             finally:
@@ -360,7 +371,7 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
                 self._rounds.pop(outer_step, None)
         # The last rank in may first wait for the overlapped round in flight, then run this one: each is abandoned
         # after the bound (the slack: the others handed in before the last rank, and their clock started then).
-        await asyncio.wait_for(pending.done.wait(), timeout=2 * self._await_bound() + 120.0)
+        await asyncio.wait_for(pending.done.wait(), timeout=2 * self._await_bound() + self._commit_bound() + 120.0)
         if pending.error is not None:
             raise pending.error
         return pending.reached, to_wire(rows_for_rank(pending.new_global, world_size, rank)), pending.stop

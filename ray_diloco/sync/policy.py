@@ -13,11 +13,12 @@ A region's life, as the SyncActor runs it with these functions:
 4. a round with a non-finite Δ: the region sits it out (OUT) and, with `Resync`, takes `newer_state`, or stops.
 Around each round: `round_arrival` (where the others' deadline counts from), `may_overlap` (whether it runs while
 the workers train on), `published_group` (the vote its new state carries), `checkpoints_at` (whether the workers
-and the SyncActor checkpoint it), and `overdue_round` for a blocking round still running at its `round_bound` (a
-hung DHT call: finish it in the background, abandon it, or fail the workers), and `overdue_in_flight` for a
-round still running when the next one has waited that bound for it (abandon it, or fail). Every load is bounded by
-`download_seconds` (the state's size at the slowest allowed link). The SyncActor and the simulator
-(`tests/protocol_sim.py`) call these same functions.
+and the SyncActor checkpoint it), `commits_hand_in_checkpoint` (whether the checkpoint the workers saved as they
+handed in under a preemption notice is committed with the round's state), and, in `overdue.py` (re-exported
+here), `overdue_round` for a blocking round still running at its `round_bound` (a hung DHT call: finish it in the
+background, abandon it, or fail the workers), and `overdue_in_flight` for a round still running when the next one
+has waited that bound for it (abandon it, or fail). Every load is bounded by `download_seconds` (the state's size
+at the slowest allowed link). The SyncActor and the simulator (`tests/protocol_sim.py`) call these same functions.
 
 Records. Every region publishes one `StateRecord` in the DHT: its outer step, the digest of its θ_global, the
 size of the group whose round produced that state, and its phase in the round at that step (training, ready to
@@ -60,6 +61,17 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+
+# A round that does not end: decided in overdue.py, part of this module's decisions (callers use policy.*)
+from ray_diloco.sync.overdue import (  # noqa: F401
+    ABANDON,
+    ABANDONED_ROUNDS_LIMIT,
+    FAIL,
+    FINISH_IN_BACKGROUND,
+    overdue_in_flight,
+    overdue_round,
+    round_bound,
+)
 
 TRAINING = "training"  # its workers are on their inner steps towards the round at `outer_step`
 READY = "ready"  # its workers' shards are in: it waits to average the round at `outer_step`
@@ -363,6 +375,22 @@ def checkpoints_at(reached: int, every: int, stopping: bool, advanced: bool = Tr
     return stopping or notice or bool(advanced and every and reached % every == 0)
 
 
+def commits_hand_in_checkpoint(round_from: int | None, reached: int, overlapped: bool = False,
+                               in_background: bool = False) -> bool:
+    """Whether the SyncActor commits, with the state a region's round reached, the worker checkpoint its workers saved
+    as they handed in under a preemption notice (ray_diloco/preemption.py): wherever that round, run blocking from
+    outer step `round_from` (None: it ran none, an overlapped round in flight having agreed to stop), moved the
+    region on, by one step or, re-synced, to a later one, since the checkpoint's AdamW state is the one the workers
+    go on with from either (its loader aligns the schedule to the step reached, as they do). The SyncActor commits
+    it as the round ends, whether or not the group is still there to see it: a round that meets the other regions
+    after the deadline keeps the inner state. Not after an abandoned round (`reached == round_from`), nor for one
+    finishing in the background (`in_background`: it has applied its step but not yet counted its tokens and data
+    position), nor for one that overlapped (its state is not θ_global itself; one under a notice blocks,
+    `may_overlap`): the workers checkpoint after those as ever (`checkpoints_at`). The SyncActor and the simulator
+    ask here; the workers ask the SyncActor what it committed."""
+    return round_from is not None and not overlapped and not in_background and reached > round_from
+
+
 def stops_after_round(asked: bool, members: list, own_driver: frozenset[str], asked_since: bool = False) -> bool:
     """Whether a region ends its run after a round on a stop request (`ray job stop`, SIGTERM): where it had
     asked when it handed in its Δ (`asked`, in the round's gather), or a member of its group run by the same
@@ -403,44 +431,6 @@ def published_group(group_size: int, consistent: bool) -> int:
     """The group size a region publishes with the state a round produced: a round that failed mid-way left each
     member a mix of averaged and own parts, so its state is a weak vote (`choose_canonical`): one."""
     return group_size if consistent else 1
-
-
-# -- a round that does not end ------------------------------------------------------------------------------
-# Rounds abandoned in a row (blocking, or in flight: `overdue_in_flight`) before the region gives up on them
-# (fails its workers: Ray Train's failure handling, run.max_failures, takes over). A DHT that stays hung would
-# otherwise keep the region training without ever averaging, each abandoned round leaving a thread blocked.
-ABANDONED_ROUNDS_LIMIT = 3
-FINISH_IN_BACKGROUND, ABANDON, FAIL = "finish in background", "abandon", "fail"
-
-
-def round_bound(max_wait: float, averaging_timeout: float, download: float) -> float:
-    """How long a round may take before it is given up: its other ranks arrive within seconds; the rendezvous and
-    the settling after the last round each by max_wait plus one download (`download`: `download_seconds` of the
-    state), with a load of up to two downloads begun just before; the all-reduce by the averaging timeout."""
-    return 2 * max_wait + 2 * averaging_timeout + 6 * download + 60.0
-
-
-def overdue_round(applied: bool, abandoned_in_a_row: int) -> tuple[str, int]:
-    """What a blocking round still running at its `round_bound` becomes, and the count of rounds abandoned in a
-    row after it. Its outer step applied (`applied`): the rest (publishing, settling) finishes in the
-    background, the next round waits for it. Not applied: abandoned — its workers go on from θ_global at the
-    step they were at, the region re-syncs at its next round (a hung DHT call so costs one round, never the
-    group) — unless it is the ABANDONED_ROUNDS_LIMIT-th in a row, or any later one before a round ends: then the
-    region's Hivemind node does not answer and the workers fail with the error (Ray Train's restarts, then the
-    region leaves the run)."""
-    if applied:
-        return FINISH_IN_BACKGROUND, abandoned_in_a_row
-    in_a_row = abandoned_in_a_row + 1
-    return (FAIL if in_a_row >= ABANDONED_ROUNDS_LIMIT else ABANDON), in_a_row
-
-
-def overdue_in_flight(abandoned_in_a_row: int) -> tuple[str, int]:
-    """What a round still running when the next round has waited `round_bound` for it becomes (an overlapped
-    round, or a blocking one left to finish in the background), and the count after it: abandoned, counted as an
-    abandoned blocking round is, so the region fails its workers at the ABANDONED_ROUNDS_LIMIT-th in a row. Not
-    counted, an overlapped region whose Hivemind node stayed hung trained on for ever without averaging, each
-    abandoned round leaving a thread blocked (tests/test_hung_round.py)."""
-    return overdue_round(False, abandoned_in_a_row)
 
 
 def final_state(records: list[StateRecord]) -> StateRecord | None:

@@ -57,6 +57,7 @@ class RoundScheduling:
         delta = pseudo_gradient(base, local)
         if not self._overlaps(delta, pending.notice):
             self.base = None
+            pending.round_from = self.outer.step_count  # after the round in flight, abandoned or not
             new_global = await self._blocking_round(workers_step, pending, local, delta)
             self._handed_back = time.perf_counter()
             return new_global, self.outer.step_count
