@@ -160,8 +160,6 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
     `fresh_inner_state`: the group trained no step (its AdamW state holds nothing to restore)."""
     location = save_worker_checkpoint(model, inner_step.optimizer, experiment_uri, outer_step,
                                       inner_step.scheduler.last_epoch, rank, world_size, fresh_inner_state)
-    if world_size > 1:
-        dist.barrier()  # every rank's upload is done
     if rank == 0:
         ray.get(sync_actor.commit_checkpoint.remote(outer_step, location))
 
@@ -420,10 +418,12 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
                 last_round = ray.get(sync_actor.last_round.remote())
                 peers = str(last_round.get("group_size", peers))
                 status(sync_status(region, reached, cfg.run.outer_steps, last_sync_seconds, last_round, advanced))
-            # Whether the SyncActor committed the hand-in checkpoint with the state the round reached (it answers every
-            # rank after the commit, so every rank reads the same).
-            committed = hand_in_checkpoint is not None and tuple(
-                ray.get(sync_actor.committed_checkpoint.remote()) or ()) == (reached, hand_in_checkpoint)
+            # Whether the SyncActor committed the hand-in checkpoint with the state the round reached: rank 0's read,
+            # for every rank (each reading its own could see a later commit and decide apart on a collective save).
+            # Every rank agrees whether there is one (the notice and `taken` are rank 0's).
+            committed = hand_in_checkpoint is not None and ray.train.collective.broadcast_from_rank_zero(
+                rank == 0 and tuple(
+                    ray.get(sync_actor.committed_checkpoint.remote()) or ()) == (reached, hand_in_checkpoint))
             outer_step = reached
             if not cfg.outer.overlap and trained == H:
                 notice = look_for_notice(sync_actor, notice_watch, region, rank)

@@ -60,16 +60,20 @@ def save_token(world_size: int) -> str:
 def save_worker_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experiment_uri: str,
                            outer_step: int, inner_step: int, rank: int, world_size: int,
                            fresh_inner_state: bool = False, holds_theta_global: bool = True) -> str:
-    """Every rank of the group calls this (collective); returns where the checkpoint is stored."""
+    """Every rank of the group calls this (collective); returns where the checkpoint is stored, once every rank's
+    part is."""
     local = tempfile.mkdtemp(prefix="diloco-ckpt-")
     try:
         write_worker_checkpoint(model, optimizer, local, outer_step, inner_step, rank, world_size, fresh_inner_state,
                                 holds_theta_global)
         name = checkpoint_name(outer_step, save_token(world_size))
-        # Uploads this rank's files and waits for the other ranks (a barrier): when it returns, Ray Train
-        # has the whole checkpoint.
+        # Uploads this rank's files. Ray Train agrees on the directory with the other ranks before the uploads,
+        # not after them: the barrier makes "returned" mean the whole checkpoint is stored, for any rank that
+        # then hands its location to the SyncActor to commit.
         ray.train.report({"outer_step": outer_step, "inner_step": inner_step},
                          checkpoint=ray.train.Checkpoint.from_directory(local), checkpoint_dir_name=name)
+        if world_size > 1:
+            dist.barrier()
     finally:
         shutil.rmtree(local, ignore_errors=True)
     return join(experiment_uri, name)

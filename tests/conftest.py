@@ -39,9 +39,11 @@ class _ToCurrentStderr(logging.StreamHandler):
         pass
 
 
-_averager_log = logging.getLogger("ray_diloco.sync.hivemind_exact")
-_averager_log.addHandler(_ToCurrentStderr())
-_averager_log.setLevel(logging.WARNING)
+# The level on the handler, not the logger: tests that read the module's info records (caplog) still get them.
+_to_stderr = _ToCurrentStderr()
+_to_stderr.setLevel(logging.WARNING)
+_to_stderr.setFormatter(logging.Formatter("%(levelname)s pid %(process)d %(name)s: %(message)s"))
+logging.getLogger("ray_diloco.sync.hivemind_exact").addHandler(_to_stderr)
 
 # multiprocessing's resource tracker lives as long as pytest once a module spawns a process: started now, before any
 # module's mark (tests/leftovers.py), so that no module is taken to have left it running.

@@ -10,6 +10,11 @@ import time
 import pytest
 
 from ray_diloco.cli import main
+from ray_diloco.resources import LOCAL_WORKERS_PER_CORE, local_cores
+
+# Per region, one worker more than this machine's cores can take turns on across the default 2 regions: derived
+# from the machine, so the case is refused on any (a fixed count starts a real run on a bigger one).
+TOO_MANY_PER_REGION = LOCAL_WORKERS_PER_CORE * local_cores() // 2 + 1
 
 
 @pytest.mark.parametrize("mode, groups", [("ddp", [("ddp", 2)]), ("single", [("single", 1)])])
@@ -37,7 +42,8 @@ def cli(*argv, cwd):
     (["--eval-data", "/nonexistent/x.json.gz"], "--eval-data: "),
     (["--workers-per-region", "0"], "--workers-per-region: must be >= 1"),
     # more than this machine can take turns on: refused before the run's setup (the tokenizer, the data's files)
-    (["--workers-per-region", "40"], "--workers-per-region: the run starts up to 80 training workers"),
+    (["--workers-per-region", str(TOO_MANY_PER_REGION)],
+     f"--workers-per-region: the run starts up to {2 * TOO_MANY_PER_REGION} training workers"),
     (["--init-from", "/nonexistent"], "--init-from: "),
     (["--resume"], "--resume: name the run"),
     (["--run-name", "none-yet", "--resume"], "--resume: no committed checkpoint"),
@@ -70,7 +76,6 @@ def test_records_without_text_are_refused_before_ray(tmp_path):
 def test_more_workers_than_this_machine_can_take_turns_on_fail_before_ray_starts(tmp_path, monkeypatch, capsys):
     # In this process, with the driver replaced: were the check to break, no Ray of hundreds of workers starts.
     import ray_diloco.driver
-    from ray_diloco.resources import LOCAL_WORKERS_PER_CORE, local_cores
 
     def reached(*args, **kwargs):
         raise AssertionError("the driver was reached")

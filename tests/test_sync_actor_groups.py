@@ -226,3 +226,32 @@ def test_a_checkpoint_saved_while_the_round_waits_is_committed_for_that_round_an
     assert reached == [2, 3, 4] and [r["overlapped"] for r in actor.history] == [True, False, True, False]
     assert actor.committed_checkpoint() == (4, "saved-as-round-3-ended")
     assert actor.store.steps() == [2, 4] and actor.store.load(4).worker_checkpoint == "saved-as-round-3-ended"
+
+
+def test_a_checkpoint_offered_after_its_round_that_the_bucket_refuses_is_not_taken(tmp_path):
+    """A notice came as the workers waited in the run's last round, which ended while they saved: the checkpoint
+    they offer after it is committed then (`late_hand_in`). Where the bucket refuses that commit, the SyncActor must
+    answer "not taken", so the workers checkpoint after the round themselves; answering "taken" left the round
+    without a checkpoint."""
+    actor = SyncActorImpl(config(tmp_path, "late-refused", [1], outer_steps=1, matchmaking_seconds=MM), "r0")
+    actor.register_worker(0, 1, 100, "host")
+
+    def failing_save(checkpoint):
+        raise OSError("the bucket is gone")
+
+    try:
+        async def round_then_offer():
+            last = asyncio.ensure_future(actor.exchange(0, 0, 1, trained(actor, 47), tokens=1000))
+            await asyncio.sleep(0)  # the hand-in is under way when the notice comes
+            told = actor.notice_in_round(0)
+            reached = (await last)[0]  # the round ends while the workers save
+            actor.store.save = failing_save
+            return told, reached, await actor.late_hand_in(0, "saved-as-round-0-ended")
+
+        told, reached, taken = asyncio.run(round_then_offer())
+    finally:
+        actor.shutdown()
+    assert (told, reached) == (True, 1)
+    assert taken is False
+    assert actor.committed_checkpoint() is None
+    assert [e["outer_step"] for e in actor.events if e["event"] == "checkpoint_failed"] == [1]

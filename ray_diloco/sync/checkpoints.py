@@ -96,11 +96,10 @@ class Checkpoints:
             await self._commit_worker_checkpoint(pending.reached, pending.hand_in_checkpoint)
 
     async def _commit_worker_checkpoint(self, outer_step: int, location: str) -> bool:
-        """`commit_checkpoint`, where a failure (or the state moved on meanwhile) costs the checkpoint, an event,
-        never the round. Returns whether it was committed."""
+        """`commit_checkpoint`, where a failure (the bucket's, or the state moved on meanwhile) costs the
+        checkpoint, an event, never the round. Returns whether it was committed."""
         try:
-            await self.commit_checkpoint(outer_step, location)
-            return True
+            return await self.commit_checkpoint(outer_step, location) is not None
         except Exception as error:  # noqa: BLE001 — see the docstring
             self.record_event("checkpoint_failed", outer_step=outer_step, error=repr(error)[:300])
             return False

@@ -430,7 +430,11 @@ class ExactAverager(DecentralizedAverager):
             async for _ in outputs:
                 raise AllreduceException("the all-reduce returned more tensors than it was given")
         except BaseException as e:  # a failed or timed-out round says where each of its streams stood
-            logger.warning(f"All-reduce ended by {e!r} after {time.perf_counter() - start:.1f}s: {runner.progress()}")
+            try:
+                where = runner.progress()
+            except Exception as progress_error:  # noqa: BLE001 — never in place of the round's own error
+                where = f"(progress unknown: {progress_error!r})"
+            logger.warning(f"All-reduce ended by {e!r} after {time.perf_counter() - start:.1f}s: {where}")
             raise
         served = await runner.wait_until_served(self.served_timeout)
         self._round_stats = dict(runner.stats(), allreduce_seconds=allreduce_seconds, all_served=served)
