@@ -231,8 +231,8 @@ def test_a_checkpoint_saved_while_the_round_waits_is_committed_for_that_round_an
 def test_a_checkpoint_offered_after_its_round_that_the_bucket_refuses_is_not_taken(tmp_path):
     """A notice came as the workers waited in the run's last round, which ended while they saved: the checkpoint
     they offer after it is committed then (`late_hand_in`). Where the bucket refuses that commit, the SyncActor must
-    answer "not taken", so the workers checkpoint after the round themselves; answering "taken" left the round
-    without a checkpoint."""
+    answer "not taken": the workers' `saved_in_round` event said "taken" (their own check of the commit, and the
+    checkpoint every round under a notice has, still saved the round's state)."""
     actor = SyncActorImpl(config(tmp_path, "late-refused", [1], outer_steps=1, matchmaking_seconds=MM), "r0")
     actor.register_worker(0, 1, 100, "host")
 
