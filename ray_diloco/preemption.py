@@ -11,7 +11,8 @@ round happened to be a `run.checkpoint_every` one. So while a notice stands the 
 (`policy.checkpoints_at(..., notice=True)`), and it starts no window that would not end, with its round and its
 checkpoint, before the deadline (`trains_through_notice`): it waits for the deadline on its checkpoint
 instead. A notice that comes mid-window is looked for a few times a window, and at least every LOOK_SECONDS of
-training once the group has timed its steps (`looks_within_window`); where the rest of the window with its round
+training once the group has timed its steps (`looks_within_window`; in its first window from its TIMED_STEP on:
+`first_window_looks`); where the rest of the window with its round
 would not end in time, the group hands in the steps it trained so far
 (`hands_in_early`: a shorter window, its Δ weighted by its tokens like any region's), so a window longer than the
 notice (H = 500 on GPUs against a cloud's 30 s) is not cut off. Its round still meets the other regions, which hand
@@ -50,6 +51,10 @@ MIN_STEPS_BETWEEN_LOOKS = 5
 # machine put a window's looks 24 s apart, and a 15 s notice came and went between two). A look is a barrier of
 # the group's ranks, and Ray Train's watcher polls as often itself.
 LOOK_SECONDS = 5.0
+# A group's first window has no last window to time its steps by: it times this inner step (the first holds the
+# group's warm-up: allocation, the data stream's start, compilation) and spaces its later looks by it. Without, a
+# restarted group's first window of H = 500 steps of 1 s looked 56 s apart, longer than a cloud's 30 s notice.
+TIMED_STEP = 2
 # While the workers wait in a round (for the other regions, or the round in flight before it), they look as often.
 ROUND_LOOK_SECONDS = LOOK_SECONDS
 # Where a drain gave no deadline, Ray Train ends the group this long after it detected the preemption
@@ -133,9 +138,17 @@ def looks_within_window(inner_steps: int, step_seconds: float | None = None) -> 
     return frozenset(range(every, inner_steps, every))
 
 
+def first_window_looks(inner_steps: int, step_seconds: float) -> frozenset[int]:
+    """A group's first window's looks: `looks_within_window` without a step time up to its TIMED_STEP, and after it
+    those of `step_seconds`, the time that step took (rank 0's, for every rank: `agreed_step_seconds`)."""
+    untimed = {look for look in looks_within_window(inner_steps) if look <= TIMED_STEP}
+    return frozenset(untimed | {look for look in looks_within_window(inner_steps, step_seconds) if look > TIMED_STEP})
+
+
 def agreed_step_seconds(trained: int, window_seconds: float) -> float:
-    """Rank 0's time per inner step in the window just trained (`trained` steps in `window_seconds`), taken by every
-    rank (a barrier): the next window's looks (`looks_within_window`) must fall on the same steps on every rank."""
+    """Rank 0's time per inner step in the window just trained (`trained` steps in `window_seconds`; or in a group's
+    first window, its TIMED_STEP), taken by every rank (a barrier): the looks that follow (`looks_within_window`,
+    `first_window_looks`) must fall on the same steps on every rank."""
     return ray.train.collective.broadcast_from_rank_zero(window_seconds / max(1, trained))
 
 

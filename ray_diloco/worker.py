@@ -362,13 +362,21 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
     round_seconds, last_checkpoint_seconds = last_round.get("seconds"), 0.0
     while outer_step < cfg.run.outer_steps and not stopped:
         tokens_this_round, window_started, trained = 0, time.perf_counter(), H
-        # Inner steps after which the group looks for a preemption notice mid-window.
+        # Inner steps after which the group looks for a preemption notice mid-window; in the group's first window,
+        # spaced anew once its TIMED_STEP is timed (from the device's end of one step to that of the next).
         looks = preemption.looks_within_window(H, step_seconds) if sync_actor is not None else frozenset()
+        times_a_step = sync_actor is not None and step_seconds is None and H > preemption.TIMED_STEP
         step_log.restart_clock()
         for inner in range(H):
             lr = inner_step.lr  # the rate this step uses (the scheduler moves on inside the step)
             loss, tokens = inner_step(batches)
             tokens_this_round += tokens
+            if times_a_step and inner + 1 in (preemption.TIMED_STEP - 1, preemption.TIMED_STEP):
+                loss.item()  # waits for the device
+                if inner + 1 == preemption.TIMED_STEP:
+                    looks = preemption.first_window_looks(
+                        H, preemption.agreed_step_seconds(1, time.perf_counter() - timed_from))
+                timed_from = time.perf_counter()
             if step_log.record(outer_step * H + inner + 1, loss, tokens, lr):
                 flush_steps()
             if inner + 1 in looks and ends_window_early(sync_actor, notice_watch, region, rank, outer_step, inner + 1,

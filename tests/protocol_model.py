@@ -63,6 +63,9 @@ class Rules:
     # (the workers before preemption.LOOK_SECONDS) their mid-window looks were a ninth of a window apart however slow
     # its steps: a notice shorter than that (a window of 3.4 s steps in CI: 24 s) could come and go between two
     looks_by_time: bool = True
+    # (the workers before preemption.TIMED_STEP) a group's first window had no step time for its looks: a ninth of the
+    # window apart, a notice shorter than that could come and go between two (a restarted group's first window)
+    times_first_window: bool = True
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,8 @@ class _Region:
     worker_checkpoint: int | None = None  # the outer step of the newest worker checkpoint (inner AdamW state)
     group_started: float = 0.0  # when its worker group (Ray Train's) last started
     # (group_started of the group that trained it, seconds per inner step) of the last window: a group's workers space
-    # their mid-window looks by their own last window (preemption.looks_within_window), none before their first
+    # their mid-window looks by their own last window (preemption.looks_within_window); their first, by its
+    # TIMED_STEP (preemption.first_window_looks)
     step_timing: tuple[float, float] | None = None
     looks: list[float] = field(default_factory=list)  # when the group's workers looked for a notice (and its start)
 

@@ -3,8 +3,8 @@ cloud's notice and its deadline, with the workers' own decisions (ray_diloco/pre
 looks fall, whether to hand in early, whether to wait for the deadline; `worker.round_estimate`).
 
 A notice (`RegionPlan.notices`: when, and seconds to its deadline) is seen by the workers at their next look:
-mid-window (`looks_within_window` of `Schedule.inner_steps` and, after the group's first window, the time per
-step its last window took), once a round (after it; before the exchange with
+mid-window (`looks_within_window` of `Schedule.inner_steps` and the time per step its last window took; in the
+group's first window, that of its TIMED_STEP: `first_window_looks`), once a round (after it; before the exchange with
 outer.overlap), and every ROUND_LOOK_SECONDS while they wait in a blocking round (`worker.wait_for_round`: then they
 save their hand-in checkpoint, and the SyncActor commits it as the round ends). A look that finds the rest of the window with its round would not end in time ends the window there
 (`hands_in_early`): its Δ is that many steps' update, weighted by its tokens. A round under a notice blocks
@@ -108,7 +108,11 @@ class Notices:
         timing = region.step_timing
         step_seconds = (timing[1] if self.rules.looks_by_time and timing is not None
                         and timing[0] == region.group_started else None)
-        for trained in sorted(preemption.looks_within_window(steps, step_seconds)):
+        if step_seconds is None and self.rules.looks_by_time and self.rules.times_first_window:
+            looks = preemption.first_window_looks(steps, full / steps)  # its TIMED_STEP timed (no warm-up here)
+        else:
+            looks = preemption.looks_within_window(steps, step_seconds)
+        for trained in sorted(looks):
             at = started + full * trained / steps
             deadline = self._believed_deadline(region, at)
             region.looks.append(at)  # (one after a restart cut the window off: the next group looks anew)

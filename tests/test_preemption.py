@@ -112,6 +112,18 @@ def test_where_the_last_window_had_slow_steps_the_group_looks_at_least_every_loo
     assert preemption.looks_within_window(inner_steps, step_seconds) == looks
 
 
+@pytest.mark.parametrize("inner_steps,step_seconds,looks", [
+    (500, 1.0, set(range(5, 500, 5))),  # untimed, a look every 56 steps (56 s); by step 2's time, every 5
+    (60, 3.4, set(range(3, 60))),  # after every step once step 2 is timed (the looks before it: none)
+    (4, 10.0, {3}),  # H = 4 of slow steps: one look, after step 3 (untimed: none)
+    (12, 1.0, {5, 10}),  # 5 steps in 5 s: as without the time
+    (2, 10.0, set()),  # the window ends at its timed step: the round's own look is the only one
+])
+def test_a_groups_first_window_spaces_its_looks_by_the_time_of_its_second_step(inner_steps, step_seconds, looks):
+    assert preemption.TIMED_STEP == 2  # (the cases above time step 2)
+    assert preemption.first_window_looks(inner_steps, step_seconds) == looks
+
+
 def test_a_window_of_known_step_time_is_looked_at_no_less_often_and_within_look_seconds():
     for inner_steps in (1, 4, 5, 6, 12, 50, 60, 101, 500, 2000):
         without = sorted(preemption.looks_within_window(inner_steps))

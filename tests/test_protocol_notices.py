@@ -110,13 +110,16 @@ def lone_noticed(draw) -> Schedule:
 @st.composite
 def lone_slow_noticed(draw) -> Schedule:
     """One region of slow steps (windows of 12-60 steps of 1-10 s, no jitter: the next window's steps take what the
-    last one's did) and one notice after its group's first window (whose steps space the looks from then on), that
-    leaves a look's spacing by time (LOOK_SECONDS, or a step where a step is longer) and a round: often less than a
-    ninth of the window, the spacing without the step times."""
+    last one's did) and one notice once its group's first window has timed its TIMED_STEP (that step's time, then
+    each window's, spaces the looks from then on), that leaves a look's spacing by time (LOOK_SECONDS, or a step
+    where a step is longer) and a round: often less than a ninth of the window, the spacing without the step
+    times. Half of them come in the first window."""
     steps = draw(st.sampled_from([12, 50, 60]))
     step = draw(st.floats(1.0, 10.0))
     window, spacing = steps * step, max(preemption.LOOK_SECONDS, step)
-    notice = (draw(st.floats(window + LONE_ROUND, 3 * window)), draw(st.floats(spacing + LONE_ROUND, spacing + 30.0)))
+    timed = preemption.TIMED_STEP * step
+    at = draw(st.floats(timed, window) | st.floats(window + LONE_ROUND, 3 * window))
+    notice = (at, draw(st.floats(spacing + LONE_ROUND, spacing + 30.0)))
     schedule = Schedule((RegionPlan("a", window, notices=(notice,)),), target=draw(st.integers(3, 6)),
                         max_wait=MAX_WAIT, matchmaking=MATCHMAKING, ttl=TTL, inner_steps=steps,
                         checkpoint_every=draw(st.sampled_from([0, 1, 2])))
@@ -190,6 +193,32 @@ def test_property_tests_find_a_short_notice_lost_between_looks_a_ninth_of_a_wind
     example = found_under(lone_slow_noticed(), lambda schedule: lost_inner_state(schedule, Rules(looks_by_time=False)),
                           "a short notice lost between looks a ninth of a window apart")
     assert not lost_inner_state(example)
+
+
+def test_property_tests_find_a_short_notice_lost_in_a_groups_first_window_untimed(
+        draws_independent_of_loaded_modules):
+    """The workers before preemption.TIMED_STEP had no step time in a group's first window: looks a ninth of the
+    window apart (every 56 steps of 1 s at H = 500), and a notice shorter than that came and went between two.
+    Hypothesis must find such a schedule."""
+    example = found_under(lone_slow_noticed(),
+                          lambda schedule: lost_inner_state(schedule, Rules(times_first_window=False)),
+                          "a short notice lost between the untimed looks of a group's first window")
+    assert not lost_inner_state(example)
+
+
+def test_a_15_s_notice_in_a_groups_first_window_of_slow_steps_ends_it_early_and_keeps_it():
+    """The first window of 60 steps of 3.3 s, a 15 s notice at 31 s: step 2 timed, the group looks after every step
+    from step 3, sees the notice after step 10 (33.3 s) and hands in those 10 steps ("kept"). Untimed, it looked
+    after steps 7 and 14 (23.3 s and 46.7 s), never saw it, and the window was cut off at 46 s."""
+    def outcome(rules):
+        schedule = Schedule((RegionPlan("a", 200.0, notices=((31.0, 15.0),)),), target=3, inner_steps=60,
+                            checkpoint_every=0)
+        out, found = simulate(schedule, rules)
+        assert not found, found
+        return out.deadlines, out.early
+
+    assert outcome(Rules()) == ([("a", 46.0, "kept")], [("a", 0, 10)])
+    assert outcome(Rules(times_first_window=False)) == ([("a", 46.0, "cut off")], [])
 
 
 def test_a_15_s_notice_in_a_window_of_slow_steps_ends_it_early_and_keeps_it():
