@@ -40,10 +40,10 @@ NOTICE_GRACE_SECONDS = 60.0
 # Ray Train starts its preemption watcher just before the workers' train function: a notice may be detected
 # before the function's first look, so the group's start counts as a look this much earlier (a watcher's poll).
 WATCHER_LEAD_SECONDS = 5.0
-# Mid-window looks for a notice in a group's first window (its steps not timed yet): at most this many a window
-# besides the one at its round (a notice is seen within about a ninth of a window), and never fewer than this many
-# inner steps apart: each look is a barrier of the group's ranks (a Ray actor call; two once a notice stands),
-# which short windows of fast steps would feel. Later windows look at least as often (LOOK_SECONDS).
+# Mid-window looks for a notice before the group has timed a step (its first window up to TIMED_STEP): at most this
+# many a window besides the one at its round (a notice is seen within about a ninth of a window), and never fewer
+# than this many inner steps apart: each look is a barrier of the group's ranks (a Ray actor call; two once a notice
+# stands), which short windows of fast steps would feel. Later windows look at least as often (LOOK_SECONDS).
 LOOKS_PER_WINDOW = 8
 MIN_STEPS_BETWEEN_LOOKS = 5
 # Where the group's last window says its steps are slow, a mid-window look also comes at least this often, in
@@ -127,7 +127,8 @@ def looks_within_window(inner_steps: int, step_seconds: float | None = None) -> 
     """After which of a window's inner steps (counted from 1) the group looks for a notice mid-window: evenly
     spaced, never after the last (the round's own look follows it). The same steps on every rank (each look is a
     barrier): `step_seconds` is rank 0's time per inner step in the group's last window (`agreed_step_seconds`),
-    None before the group has trained one.
+    None before the group has trained one (its first window then looks by `first_window_looks` once it timed its
+    TIMED_STEP).
 
     Without it: at most LOOKS_PER_WINDOW looks, at least MIN_STEPS_BETWEEN_LOOKS apart. With it, never fewer looks
     than that, and at least one every LOOK_SECONDS of training (every step where a step takes longer); closer than
@@ -140,7 +141,9 @@ def looks_within_window(inner_steps: int, step_seconds: float | None = None) -> 
 
 def first_window_looks(inner_steps: int, step_seconds: float) -> frozenset[int]:
     """A group's first window's looks: `looks_within_window` without a step time up to its TIMED_STEP, and after it
-    those of `step_seconds`, the time that step took (rank 0's, for every rank: `agreed_step_seconds`)."""
+    those of `step_seconds`, the time that step took (rank 0's, for every rank: `agreed_step_seconds`). With
+    MIN_STEPS_BETWEEN_LOOKS above TIMED_STEP the untimed part is empty: the first look comes after the timed step,
+    so a notice during the group's warm-up (its first step, minutes where it compiles) is seen after it."""
     untimed = {look for look in looks_within_window(inner_steps) if look <= TIMED_STEP}
     return frozenset(untimed | {look for look in looks_within_window(inner_steps, step_seconds) if look > TIMED_STEP})
 

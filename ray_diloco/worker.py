@@ -366,6 +366,7 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
         # spaced anew once its TIMED_STEP is timed (from the device's end of one step to that of the next).
         looks = preemption.looks_within_window(H, step_seconds) if sync_actor is not None else frozenset()
         times_a_step = sync_actor is not None and step_seconds is None and H > preemption.TIMED_STEP
+        timed_from = window_started
         step_log.restart_clock()
         for inner in range(H):
             lr = inner_step.lr  # the rate this step uses (the scheduler moves on inside the step)

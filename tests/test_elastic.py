@@ -47,11 +47,11 @@ from ray.util.state import list_workers
 from autoscaling_head import one_region_head, watching
 from conftest import Driver, alive, driver_env, events_of, named_actor, wait_for, while_running
 from ray_diloco.batches import window_fingerprint
+from ray_diloco.checkpoint import CheckpointStore
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.data.pipeline import build_region_datasets
 from ray_diloco.driver import REGION_LABEL, run_actor_name
 from ray_diloco.presets import tiny_cpu
-from ray_diloco.worker_checkpoint import META_FILE
 
 # Grow, a round on 2 workers, preempt, the rounds the group trains on under the notice (rounds of about 9 s here:
 # it trains on while two fit before the deadline, about 8), a round with 1 worker, grow back: with room to spare.
@@ -172,9 +172,9 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
     assert all(files) and sum(len(f) for f in files) == len(set().union(*files)), files  # disjoint
     assert summary["outer_steps"] == OUTER_STEPS and not summary["disagreeing_regions"]
     data = summary["data_fingerprint"]["us"]
-    # Every round trained H steps of 1 batch per worker, but a window ended early under the notice (where steps are
-    # slow enough for a mid-window look: preemption.looks_within_window); the fingerprint is of exactly the first N
-    # windows.
+    # Every round trained H steps of 1 batch per worker, except where a window ended early under the notice (where
+    # steps are slow enough for a mid-window look: preemption.looks_within_window, first_window_looks); the
+    # fingerprint is of exactly the first N windows.
     cut_short = sum(4 - e["inner_steps"] for e in summary["events"] if e["event"] == "window_ended_early")
     assert data["windows"] >= (OUTER_STEPS * 4 - cut_short) * cfg.data.batch_size
     assert data["fingerprint"] == first_windows_fingerprint(cfg, data["windows"])
@@ -189,11 +189,10 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         # The group of 1 worker continued from the last round's checkpoint, AdamW included (1 worker loading what
         # 2 wrote: re-sharded). With checkpoint_every 0 no other checkpoint exists.
         assert after_scale_in[0]["event"] == "inner_state_restored", summary["events"]
-        # The state of the outer step that round reached, saved after it or, where its window ended early, as the
-        # workers handed in (then named after the step handed in): its schedule stands at that step's first
-        # inner step.
-        restored = json.loads((Path(after_scale_in[0]["checkpoint"]) / META_FILE).read_text())
-        assert restored["inner_step"] == notices[-1]["outer_step"] * 4, (notices[-1], after_scale_in[0], restored)
+        # The one the SyncActor committed with that round's outer checkpoint: saved after the round or, where its
+        # window ended early, as the workers handed in (then named after the step handed in).
+        committed = CheckpointStore(f"{cfg.run.checkpoint_root()}/us").load(notices[-1]["outer_step"])
+        assert after_scale_in[0]["checkpoint"] == committed.worker_checkpoint, (notices[-1], after_scale_in[0])
     else:
         # The last checkpointed round left room for two more (`preemption.trains_through_notice`), yet the next
         # one did not end before the deadline: its window was lost and θ_global moved past the checkpoint, so the
