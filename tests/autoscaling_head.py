@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import ray
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
-from conftest import RAY, descendants, free_port, kill
+from conftest import RAY, descendants, head_ports, kill
 from leftovers import carries
 from ray_diloco.driver import REGION_LABEL
 
@@ -65,7 +65,7 @@ def autoscaling_config(port: int, head_cpus: int, node_types: dict[str, NodeType
 class AutoscalingHead:
     def __init__(self, tmp: Path, head_cpus: int, node_types: dict[str, NodeType], idle_minutes: float,
                  env: dict[str, str] | None = None):
-        self.port = free_port()
+        self.port, dashboard_port, component_ports = head_ports()
         self.address = f"127.0.0.1:{self.port}"
         self.no_capacity_file = tmp / f"no-capacity-{self.port}"
         config = tmp / "autoscaling.json"
@@ -89,11 +89,7 @@ class AutoscalingHead:
         self.log = self.log_path.open("w")
         self.process = subprocess.Popen(
             [RAY, "start", "--head", "--block", f"--autoscaling-config={config}", f"--num-cpus={head_cpus}",
-             f"--port={self.port}", f"--dashboard-port={free_port()}", "--disable-usage-stats",
-             # Ports of their own: a second Ray on the machine must not take this head's (tests/test_job_submit.py)
-             *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                      "runtime-env-agent-port", "metrics-export-port",
-                                                      "ray-client-server-port"))],
+             f"--port={self.port}", f"--dashboard-port={dashboard_port}", "--disable-usage-stats", *component_ports],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         try:
             deadline = time.monotonic() + 180

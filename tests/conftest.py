@@ -250,9 +250,35 @@ def wait_for(predicate, timeout, what, fail_if=lambda: None):
 
 def free_port() -> int:
     """A TCP port free on this machine now (for a server a test starts)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on this machine now: each probe holds its port until all are chosen. Probed
+    one after the other, two may be the same: a CI run's head got one port for two of its components and never
+    started ("Ray component metrics_export is trying to use a port number 57431 that is used by other
+    components")."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+# The components of a `ray start --head` that listen on ports of their own besides the GCS and the dashboard: given
+# free ones, a second Ray on the machine (another test's, a user's) cannot take a head's.
+HEAD_COMPONENT_PORT_FLAGS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                             "metrics-export-port", "ray-client-server-port")
+
+
+def head_ports() -> tuple[int, int, list[str]]:
+    """Distinct free ports for a `ray start --head`: its GCS port, its dashboard's, and the flags giving its other
+    components theirs (HEAD_COMPONENT_PORT_FLAGS)."""
+    gcs, dashboard, *others = free_ports(2 + len(HEAD_COMPONENT_PORT_FLAGS))
+    return gcs, dashboard, [f"--{flag}={port}" for flag, port in zip(HEAD_COMPONENT_PORT_FLAGS, others)]
 
 
 def kill(pids: list[int]) -> None:

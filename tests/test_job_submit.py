@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import RAY, free_port
+from conftest import RAY, free_ports, head_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ class Head:
     """`ray start --head --block` on free ports; `env` points `ray job` and `ray.init` at it."""
 
     def __init__(self, num_cpus: int, tmp: Path, token: Path | None = None):
-        self.port, self.dashboard_port = free_port(), free_port()
+        self.port, self.dashboard_port, component_ports = head_ports()
         # A home of its own, as on a fresh machine: the README's first command makes the token there, the
         # head, its jobs and the clients read it, and the default results directory lands under it.
         self.home = tmp / f"home-{self.port}"
@@ -56,9 +56,7 @@ class Head:
              f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats",
              # Ports of their own: with the defaults, a second Ray on the machine (another test's, a user's)
              # takes the agent's port and this head never accepts a job.
-             *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                      "runtime-env-agent-port", "metrics-export-port",
-                                                      "ray-client-server-port"))],
+             *component_ports],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=head_env)
         deadline = time.monotonic() + 90
         while subprocess.run([RAY, "job", "list"], env=self.env, capture_output=True).returncode != 0:
@@ -121,6 +119,15 @@ def small_head(tmp_path_factory):
     head = Head(2, tmp_path_factory.mktemp("head2"))
     yield head
     head.stop()
+
+
+def test_the_ports_a_head_is_given_are_distinct():
+    """Probed one after the other, ports repeat (in CI a head got one for two components and did not start); 500 at
+    once, held until all are chosen, never do (one after the other, each of 30 draws of 500 here repeated one)."""
+    ports = free_ports(500)
+    assert len(set(ports)) == 500 and all(port > 0 for port in ports)
+    gcs, dashboard, flags = head_ports()
+    assert len({gcs, dashboard, *(int(flag.split("=")[1]) for flag in flags)}) == 2 + len(flags) == 7
 
 
 def test_a_job_that_cannot_fit_fails_within_seconds_with_the_resource_message(small_head, tmp_path):
