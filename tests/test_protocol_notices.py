@@ -206,19 +206,21 @@ def test_property_tests_find_a_short_notice_lost_in_a_groups_first_window_untime
     assert not lost_inner_state(example)
 
 
+def slow_steps_outcome(notice: tuple[float, float], rules: Rules):
+    """(deadlines, windows ended early) of region a alone, windows of 60 steps in 200 s (3.3 s each), 3 outer
+    steps, one `notice` (when, seconds to its deadline)."""
+    schedule = Schedule((RegionPlan("a", 200.0, notices=(notice,)),), target=3, inner_steps=60, checkpoint_every=0)
+    out, found = simulate(schedule, rules)
+    assert not found, found
+    return out.deadlines, out.early
+
+
 def test_a_15_s_notice_in_a_groups_first_window_of_slow_steps_ends_it_early_and_keeps_it():
     """The first window of 60 steps of 3.3 s, a 15 s notice at 31 s: step 2 timed, the group looks after every step
     from step 3, sees the notice after step 10 (33.3 s) and hands in those 10 steps ("kept"). Untimed, it looked
     after steps 7 and 14 (23.3 s and 46.7 s), never saw it, and the window was cut off at 46 s."""
-    def outcome(rules):
-        schedule = Schedule((RegionPlan("a", 200.0, notices=((31.0, 15.0),)),), target=3, inner_steps=60,
-                            checkpoint_every=0)
-        out, found = simulate(schedule, rules)
-        assert not found, found
-        return out.deadlines, out.early
-
-    assert outcome(Rules()) == ([("a", 46.0, "kept")], [("a", 0, 10)])
-    assert outcome(Rules(times_first_window=False)) == ([("a", 46.0, "cut off")], [])
+    assert slow_steps_outcome((31.0, 15.0), Rules()) == ([("a", 46.0, "kept")], [("a", 0, 10)])
+    assert slow_steps_outcome((31.0, 15.0), Rules(times_first_window=False)) == ([("a", 46.0, "cut off")], [])
 
 
 def test_a_15_s_notice_in_a_window_of_slow_steps_ends_it_early_and_keeps_it():
@@ -226,15 +228,8 @@ def test_a_15_s_notice_in_a_window_of_slow_steps_ends_it_early_and_keeps_it():
     timed the steps, so the group looks after every one, sees the notice after step 9 (about 230 s) and hands in
     those 9 steps ("kept"). Looking a ninth of the window apart (after steps 7 and 14: about 223 s and 247 s) it
     never saw it and the window was cut off at 245 s."""
-    def outcome(rules):
-        schedule = Schedule((RegionPlan("a", 200.0, notices=((230.0, 15.0),)),), target=3, inner_steps=60,
-                            checkpoint_every=0)
-        out, found = simulate(schedule, rules)
-        assert not found, found
-        return out.deadlines, out.early
-
-    assert outcome(Rules()) == ([("a", 245.0, "kept")], [("a", 1, 9)])
-    assert outcome(Rules(looks_by_time=False)) == ([("a", 245.0, "cut off")], [])
+    assert slow_steps_outcome((230.0, 15.0), Rules()) == ([("a", 245.0, "kept")], [("a", 1, 9)])
+    assert slow_steps_outcome((230.0, 15.0), Rules(looks_by_time=False)) == ([("a", 245.0, "cut off")], [])
 
 
 def unstated_deadlines(schedule: Schedule) -> set[tuple[str, float]]:
