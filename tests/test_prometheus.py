@@ -10,7 +10,6 @@ import json
 import math
 import pathlib
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -21,7 +20,7 @@ import pytest
 import ray
 import yaml
 
-from conftest import small_run
+from conftest import free_port, small_run
 from test_metrics import board_exprs
 
 from ray_diloco import metrics
@@ -30,12 +29,6 @@ PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the `prometheus` binary is not installed "
                                 "(Debian: apt-get install prometheus; .ci/run does it where apt-get works)")
 T = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
