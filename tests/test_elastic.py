@@ -1,6 +1,5 @@
 """One Ray cluster per region: an elastic region (`workers: 1..2`) on a Ray cluster whose autoscaler starts and
-terminates its worker nodes, a node preempted mid-run, a second region in a Ray of its own, and a third that starts
-mid-run and joins.
+terminates its worker nodes, a node preempted mid-run, and a second region in a Ray of its own.
 
 Region us runs on a head with Ray's own autoscaler (tests/autoscaling_head.py: the fake multi-node provider, worker
 nodes of 2 CPUs labelled `us`, at least 1 and at most 2, terminated when idle). The head has 1 CPU (SyncActor, data
@@ -16,12 +15,11 @@ provider's list, and for a while there is no capacity to replace it (tests/preem
 notice and the deadline the group checkpoints every round and, where another window would not end before the
 deadline, waits for it (ray_diloco/preemption.py; the run has no periodic checkpoints, `checkpoint_every: 0`, so any
 checkpoint is the notice's). Ray Train restarts the group from that checkpoint on the 1 worker there is room for,
-with `run.max_failures: 0` (a preemption is not a failure). Meanwhile a third cluster starts (region ap,
-`--local-regions ap`, its own Ray) and joins from the others' state. Once capacity returns, nothing but Ray Train's
-elastic policy asks for nodes: the autoscaler starts one in place of the lost one and the group grows back to 2 on
+with `run.max_failures: 0` (a preemption is not a failure). Once capacity returns, nothing but Ray Train's elastic
+policy asks for nodes: the autoscaler starts one in place of the lost one and the group grows back to 2 on
 it. After the run the autoscaler terminates the idle node (down to its minimum of 1). Checks that:
-* the run finishes, us, eu and ap agree bit for bit at the end; ap joined (`region_joined`) at a later outer step;
-* us's workers ran on nodes labelled `us` only (see above: the head had no room for them); the three regions read
+* the run finishes, us and eu agree bit for bit at the end;
+* us's workers ran on nodes labelled `us` only (see above: the head had no room for them); the two regions read
   disjoint file lists;
 * summary.json's events record the resizes (`group_resized`: 2 -> 1 at the preemption, then 1 -> 2), the second
   onto a node the autoscaler started after the preemption;
@@ -35,6 +33,10 @@ it. After the run the autoscaler terminates the idle node (down to its minimum o
   shows the re-sharding without the timing); where it trained on and the next round did not end in time, it
   started AdamW anew and said so (`inner_state_reset`);
 * once the run ended, the autoscaler terminated its idle node.
+
+A third cluster joining mid-run from the others' state is tests/test_faults.py's (r3 in the come-and-go run) and
+tests/test_late_regions.py's: here it cost a Ray and a worker on the 2 cores for the whole run (rounds of ~55 s in
+CI with it).
 """
 
 import json
@@ -53,9 +55,11 @@ from ray_diloco.data.pipeline import build_region_datasets
 from ray_diloco.driver import REGION_LABEL, run_actor_name
 from ray_diloco.presets import tiny_cpu
 
-# Grow, a round on 2 workers, preempt, the rounds the group trains on under the notice (rounds of about 9 s here:
-# it trains on while two fit before the deadline, about 8), a round with 1 worker, grow back: with room to spare.
-OUTER_STEPS = 18
+# Grow, a round on 2 workers, preempt, the rounds the group trains on under the notice (it trains on while two fit
+# before the deadline), a round with 1 worker, grow back, with room to spare. Measured here (rounds of ~17 s under
+# the notice): grown at step 0, notice at 1, rounds under it 2-5, restarted with 1 worker at 5, grown back at 8;
+# with rounds of 9 s (a machine twice as fast) about 8 rounds fit under the notice, and it grows back near step 13.
+OUTER_STEPS = 14
 # A preemption's notice, the drain's deadline (GCP gives spot VMs 30 s, AWS 2 min). Between the notice and the
 # deadline a round must end after the workers have seen it: the round in flight when it comes (in one CI run a
 # split group's, which waited out averaging_timeout, then 120 s, past a notice of 30 s) and the next one. Here
@@ -67,8 +71,7 @@ NOTICE_SECONDS = 90
 
 def run_yaml(tmp_path: Path) -> Path:
     cfg = tiny_cpu().to_dict()
-    cfg["regions"] = [{"name": "us", "workers": "1..2", "cpus_per_worker": 2}, {"name": "eu", "workers": 1},
-                      {"name": "ap", "workers": 1}]
+    cfg["regions"] = [{"name": "us", "workers": "1..2", "cpus_per_worker": 2}, {"name": "eu", "workers": 1}]
     cfg["outer"].update(inner_steps=4, max_wait_seconds=240, matchmaking_seconds=5, averaging_timeout=30)
     cfg["inner"]["warmup_steps"] = 2
     # max_failures 0: a preempted node must cost a resize, never one of the region's failures. checkpoint_every 0:
@@ -107,9 +110,9 @@ def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:
     return f"{total % 2**64:016x}"
 
 
-# On this project's 2-core machine a full CI run's took 25 min to outer step 17 of 18 (rounds of ~55 s: three
-# regions' workers on 2 cores); alone it took 22 min.
-@pytest.mark.timeout(1800)
+# On this project's 2-core machine, with a third region beside them, a full CI run's took 12 min (716 s); an
+# earlier version's 25 min.
+@pytest.mark.timeout(1200)
 def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_trains_every_window_once(tmp_path):
     config = run_yaml(tmp_path)
     cfg = ExperimentConfig.from_yaml(config.read_text())
@@ -144,7 +147,6 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         running(lambda: any(e["to_workers"] == 1 for e in events_of(actor, "group_resized")[before:]), 600,
                 "the group restarted with 1 worker")
         shrunk = ray.get(actor.outer_step.remote())
-        drivers["ap"] = start_region(config, "ap")  # a third cluster, mid-run
         running(lambda: ray.get(actor.outer_step.remote()) >= shrunk + 1, 600, "a round with 1 worker")
         head.withhold_capacity(False)
         running(lambda: len(events_of(actor, "group_resized")) > before + 1, 600, "the group grew back to 2 workers")
@@ -155,8 +157,7 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
         wait_for(lambda: len(head.worker_nodes()) == 1, 300, "the autoscaler to terminate the idle node")
 
     results = tmp_path / "out" / "elastic"
-    summary, *theirs = (json.loads((results / f"summary-{r}.json").read_text()) for r in ("us", "eu", "ap"))
-    theirs = dict(zip(("eu", "ap"), theirs))
+    summary, eu = (json.loads((results / f"summary-{r}.json").read_text()) for r in ("us", "eu"))
     used = summary["worker_nodes"]["us"]  # every node that ran one of us's workers
     assert {node_labels.get(node) for node in used} == {"us"}, (used, node_labels)  # the autoscaler's, labelled us
     # The first node, the second (preempted), and one the autoscaler started for the group after the preemption.
@@ -164,12 +165,9 @@ def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_t
     after_preemption = [e for e in summary["events"] if e["event"] == "group_resized"][before:]
     resized = [(e["from_workers"], e["to_workers"]) for e in after_preemption]
     assert resized[:2] == [(2, 1), (1, 2)], summary["events"]
-    digests = {summary["global_digest"]["us"], *(theirs[r]["global_digest"][r] for r in theirs)}
-    assert len(digests) == 1, digests  # bit for bit at the end, in all three clusters
-    joined = [e for e in theirs["ap"]["events"] if e["event"] == "region_joined"]
-    assert joined and joined[0]["to_step"] >= 2, theirs["ap"]["events"]  # from the others' state, mid-run
-    files = [set(summary["data_files"]["us"]), *(set(theirs[r]["data_files"][r]) for r in theirs)]
-    assert all(files) and sum(len(f) for f in files) == len(set().union(*files)), files  # disjoint
+    assert summary["global_digest"]["us"] == eu["global_digest"]["eu"]  # bit for bit at the end, in both clusters
+    files = [set(summary["data_files"]["us"]), set(eu["data_files"]["eu"])]
+    assert all(files) and not files[0] & files[1], files  # disjoint
     assert summary["outer_steps"] == OUTER_STEPS and not summary["disagreeing_regions"]
     data = summary["data_fingerprint"]["us"]
     # Every round trained H steps of 1 batch per worker, except where a window ended early under the notice (where
