@@ -43,7 +43,8 @@ class _ToCurrentStderr(logging.StreamHandler):
 _to_stderr = _ToCurrentStderr()
 _to_stderr.setLevel(logging.WARNING)
 _to_stderr.setFormatter(logging.Formatter("%(levelname)s pid %(process)d %(name)s: %(message)s"))
-logging.getLogger("ray_diloco.sync.hivemind_exact").addHandler(_to_stderr)
+for _name in ("ray_diloco.sync.hivemind_exact", "ray_diloco.sync.exact_allreduce"):
+    logging.getLogger(_name).addHandler(_to_stderr)
 
 # multiprocessing's resource tracker lives as long as pytest once a module spawns a process: started now, before any
 # module's mark (tests/leftovers.py), so that no module is taken to have left it running.

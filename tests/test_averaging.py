@@ -42,7 +42,7 @@ from leftovers import descendants
 from ray_diloco.sync import averaging
 from ray_diloco.sync.averaging import RegionAverager, RoundResult, round_prefix
 from ray_diloco.sync.codecs import get_codec, power_of_two_scale
-from ray_diloco.sync.hivemind_exact import ExactAllReduceRunner
+from ray_diloco.sync.exact_allreduce import ExactAllReduceRunner
 from ray_diloco.sync.outer import weighted_average
 from ray_diloco.sync.parent_bound import socket_files
 

@@ -1,4 +1,4 @@
-"""Wire codecs (ray_diloco.sync.codecs and their hivemind forms in ray_diloco.sync.hivemind_exact), no network.
+"""Wire codecs (ray_diloco.sync.codecs and their hivemind forms in ray_diloco.sync.wire_codecs), no network.
 
 Checks that:
 * the registry is the one list of compressions, and each name has a hivemind wire form;
