@@ -190,6 +190,7 @@ def readme_job_flags() -> list[str]:
     return text.split()
 
 
+@pytest.mark.timeout(900)  # three runs of the README's job: 368 s in CI
 def test_ray_job_stop_checkpoints_and_a_resubmit_after_an_edit_continues_to_the_same_model(tmp_path):
     """The README's job flow: the same job submitted while the first runs is refused (one driver per region);
     `ray job stop` mid-run ends the run at the next outer step with a checkpoint and `stopped: true`; the same

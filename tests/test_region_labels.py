@@ -13,7 +13,6 @@ and actors the region's label selector (`ray_diloco.driver.region_placement`). T
 import dataclasses
 import json
 
-import pytest
 import ray
 from ray.util.state import list_actors, list_workers
 
@@ -38,7 +37,6 @@ def labelled_run(tmp_path):
                                 output_dir=str(tmp_path)))
 
 
-@pytest.mark.timeout(1500)
 def test_each_region_runs_on_the_nodes_labelled_with_its_name(tmp_path):
     cfg = labelled_run(tmp_path)
     config = tmp_path / "run.yaml"
