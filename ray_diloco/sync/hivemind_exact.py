@@ -21,7 +21,8 @@ runner reports `failed_size` and `banned_senders` so the caller can flag the rou
 
 Also fixed for one short-lived averager per round, called from any thread: a sender ends its request
 stream to a reducer only once it holds every reply, and the reducer's round waits for that
-(`_call_reducer`, `wait_until_served`; stock hivemind loses the last replies to a slow reader),
+(`_call_reducer`, `wait_until_served`, in `ray_diloco.sync.exact_allreduce`; stock hivemind loses the last
+replies to a slow reader),
 `run_in_background` does not call signal.signal() in the parent, `start_step` cannot block forever on a
 dead child, and `_shutdown` does not trip over stock's `Future.finalize` bug.
 
@@ -33,25 +34,25 @@ MSGPackSerializer, get_dht_time):
 
 * `ray_diloco.sync.exact_allreduce`, `ExactAllReduceRunner(AllReduceRunner)`: overrides `_communicate_with_peer`,
   `_generate_input_for_peer`, `_accumulate_parts_streaming`, `rpc_aggregate_part`; calls `_ban_sender`,
-  `should_delay_results`, `finalize(cancel=True)`, `_servicer_type._get_handle_name`; reads `_p2p`,
+  `should_delay_results`, `_servicer_type._get_handle_name`; reads `_p2p`,
   `_prefix`, `modes`, `ordered_peer_ids`, `sender_peer_ids`, `peer_id`, `weight`, `reducer_timeout`,
   `banned_senders`, `parts_for_local_averaging`, `tensor_part_reducer` (`accumulate_part`, `num_parts`,
   `part_shapes`) and
   `tensor_part_container` (`compression`, `prefetch`, `num_parts_by_peer`, `register_processed_part`,
   `register_failed_reducer`, `failed_size`, `total_size`, and sets `return_deltas`); `AveragingMode`;
   `AllreduceException`, `BannedException` (hivemind.averaging.partition); the AveragingData protobuf
-  (hivemind.proto.averaging_pb2); the p2p stream protocol (a request stream ends with END_OF_STREAM; a
-  handler reads until then).
+  (hivemind.proto.averaging_pb2); hivemind.utils.asyncio's `amap_in_executor`; the p2p stream protocol (a
+  request stream ends with END_OF_STREAM; a handler reads until then).
 * this module, `ExactAverager(DecentralizedAverager)`: overrides `_aggregate_with_group`,
   `_run_allreduce_inplace_`, `_shutdown`, `run`, `run_in_background`; uses `schema_hash`, `_p2p`, `prefix`,
   `_running_groups` (filled by `_register_allreduce_group`), `matchmaking_kwargs`, `serializer`, `bandwidth`,
   `mode`, `shutdown_timeout`, `remove_p2p_handlers`, the pipe protocol `_outer_pipe.send(("_step", ...,
   dict(step=, future_for_init=)))` and `_inner_pipe.send(("_SHUTDOWN", None))` (ends
   `_background_thread_fetch_current_state`); `StepControl(...)`, `.attach`, `.allow_allreduce`,
-  `.began_allreduce`, `GroupInfo`, `MPFuture`; hivemind.utils.asyncio's `amap_in_executor`; `NoCompression`'s
+  `.began_allreduce`, `GroupInfo`, `MPFuture`; the runner's `finalize(cancel=True)`; `NoCompression`'s
   2-byte "bfloat16" buffer format and `deserialize_torch_tensor`.
 * `ray_diloco.sync.clipped_reducer`: `TensorPartReducer` (subclassed; its own docstring lists what it uses), and
-  this module replaces the runner's `tensor_part_reducer` right after `AllReduceRunner.__init__` creates it.
+  `ExactAllReduceRunner` replaces its `tensor_part_reducer` right after `AllReduceRunner.__init__` creates it.
 * `ray_diloco.sync.averaging`: the log texts "power of 2" (logger hivemind.averaging.key_manager) and "could not
   find a group" (hivemind.averaging.averager), which it filters and matches on.
 * `ray_diloco.sync.state_sharing`: `DHT._get_p2p_daemon_listen_maddr` (to replicate the DHT's p2p daemon) and

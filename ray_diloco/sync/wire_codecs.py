@@ -1,4 +1,4 @@
-"""The wire codecs of the exact all-reduce (`ray_diloco.sync.hivemind_exact`): hivemind `CompressionBase`s that
+"""The wire codecs of the exact all-reduce (`ray_diloco.sync.exact_allreduce`): hivemind `CompressionBase`s that
 encode a part of Δ for the wire and decode it exactly and deterministically, so every peer that decodes the same
 bytes holds the same values. Each refuses NaN/inf (a diverged region must not poison the average).
 
