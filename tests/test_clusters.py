@@ -8,8 +8,8 @@ every SyncActor writes its own to `<storage>/<run>/peers/<region>.json` and dial
   θ_global after every outer step and at the end;
 * they read disjoint, non-empty file lists, split over the run's three regions (not per cluster);
 * every region logged its multiaddrs (`hivemind_started`) and wrote them to its peer file.
-A third cluster joining mid-run is tested in tests/test_elastic.py (there each other cluster is a driver's own Ray:
-on one loaded machine a third `ray start` head did not come up in time).
+A third cluster joining mid-run is tested in tests/test_faults.py (the come-and-go run: the joiner's driver has a
+Ray of its own; on one loaded machine a third `ray start` head did not come up in time).
 """
 
 import json

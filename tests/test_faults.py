@@ -3,8 +3,9 @@
 - A worker killed inside a region: the region's Ray Train group restarts (FailureConfig), its new workers
   load θ_global from the region's SyncActor (which kept the outer state) and the run finishes.
 - One of three regions killed: the other two reach every outer step, agree bit for bit, and no round
-  waits longer than the killed region's record lives; in the same run, a region joining after outer step 2 loads
-  θ_global from its peers over Hivemind (bit-identical) and takes part in the following rounds.
+  waits longer than the killed region's record lives; in the same run, a region of another cluster (a driver with
+  a Ray of its own) joining after outer step 2 loads θ_global from its peers over Hivemind (bit-identical) and takes
+  part in the following rounds.
 - A whole run killed after a checkpoint resumes to the model of a run that was never stopped, round by round,
   and every kept outer checkpoint names a complete worker checkpoint.
 - A step saved again after a restart keeps its worker checkpoint (Ray Train's own retention deleted it).
@@ -13,6 +14,7 @@
 """
 
 import dataclasses
+import json
 import os
 import signal
 from pathlib import Path
@@ -20,8 +22,9 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import yaml
 
-from conftest import RunInThread, assert_gone, run_process_ids, small_run, wait_for
+from conftest import Driver, RunInThread, assert_gone, driver_env, run_process_ids, small_run, wait_for
 from leftovers import command_line, descendants
 from ray_diloco.checkpoint import CheckpointStore, join
 from ray_diloco.cli import main
@@ -70,8 +73,10 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
     """Regions come and go in one run (one run for both: each costs minutes of CI). Of three regions, r2 is killed
     after outer step 1: r0 and r1 finish every outer step (from the join on, one may be re-synced past: see below),
     agree bit for bit, no round waits longer than r2's record lives, and no process of the run outlives it. After
-    outer step 2 a region r3 joins, configured as a run of its own (as from another Ray cluster) that knows one
-    peer: it loads θ_global from its peers over Hivemind (bit-identical) and takes part in the following rounds."""
+    outer step 2 a region r3 joins from another cluster: `ray-diloco train` in a process of its own with a private
+    Ray, configured as a run of its own that knows one peer (no shared Ray, clock source or lifetime with the
+    others). It loads θ_global from its peers over Hivemind (bit-identical) and takes part in the following
+    rounds."""
     matchmaking, steps = 15.0, 12  # steps: the run still going when the joiner has started (a minute or more)
     cfg = small_run(tmp_path / "first", "come-and-go", workers=[1, 1, 1], inner_steps=3, outer_steps=steps,
                     matchmaking_seconds=matchmaking, max_failures=0)
@@ -90,8 +95,16 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
         cfg, regions=[RegionConfig(name="r3", workers=1)],
         outer=dataclasses.replace(cfg.outer, initial_peers=ray.get(first.multiaddrs.remote())),
         run=dataclasses.replace(cfg.run, output_dir=str(tmp_path / "joiner"), max_failures=1))  # the default
-    joined = RunInThread(lambda stop: run_training(joiner_cfg, stop=stop))
-    summary, joiner = run.join(timeout=900), joined.join(timeout=900)
+    joiner_config = tmp_path / "joiner.yaml"
+    joiner_config.write_text(yaml.safe_dump(joiner_cfg.to_dict()))
+    joined = Driver(["--config", str(joiner_config)], driver_env())
+    try:
+        summary = run.join(timeout=900)
+        assert joined.process.wait(timeout=600) == 0, "r3's driver failed:\n" + joined.output()[-3000:]
+    finally:
+        joined.end()
+    # a driver that joins a run started elsewhere (initial peers) names its files after its regions
+    joiner = json.loads((tmp_path / "joiner" / cfg.run.name / "summary-r3.json").read_text())
 
     assert_gone(run_pids)  # a run whose region failed leaves no process behind either
     assert [e["region"] for e in summary["events"] if e["event"] == "region_departed"] == ["r2"]
