@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import yaml
 
 from conftest import Driver, RunInThread, assert_gone, driver_env, run_process_ids, small_run, wait_for
 from leftovers import command_line, descendants
@@ -96,7 +95,7 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
         outer=dataclasses.replace(cfg.outer, initial_peers=ray.get(first.multiaddrs.remote())),
         run=dataclasses.replace(cfg.run, output_dir=str(tmp_path / "joiner"), max_failures=1))  # the default
     joiner_config = tmp_path / "joiner.yaml"
-    joiner_config.write_text(yaml.safe_dump(joiner_cfg.to_dict()))
+    joiner_config.write_text(joiner_cfg.to_yaml())
     joined = Driver(["--config", str(joiner_config)], driver_env())
     try:
         summary = run.join(timeout=900)
