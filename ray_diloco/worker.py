@@ -36,6 +36,7 @@ from ray_diloco.worker_checkpoint import load_worker_checkpoint, save_worker_che
 
 
 SLOW_REGION_ENV_VAR = "RAY_DILOCO_TEST_SLOW_REGION"  # tests only: "<region>:<seconds or file>[:<from outer step>]"
+STEP_IN_GATE = "{step}"  # in a gate's path: one file per outer step (a test lets a region go one round at a time)
 GATE_TIMEOUT_SECONDS = 600.0
 
 
@@ -43,7 +44,8 @@ def test_slowdown(region: str, outer_step: int) -> None:
     """Tests only: hold this region's workers after their H inner steps, before the exchange (a test makes one
     region steadily slower than the others, or late from one round on; read at run time, so a job's runtime_env
     sets it). The value names the region, then seconds to sleep, or an absolute path to wait for (at most
-    GATE_TIMEOUT_SECONDS: the test creates it when the region may go on), then the first outer step it holds."""
+    GATE_TIMEOUT_SECONDS: the test creates it when the region may go on; STEP_IN_GATE in it stands for the outer
+    step, a gate per round), then the first outer step it holds."""
     name, _, rest = os.environ.get(SLOW_REGION_ENV_VAR, "").partition(":")
     hold, _, first = rest.partition(":")
     if name != region or not hold or outer_step < int(first or 0):
@@ -51,6 +53,7 @@ def test_slowdown(region: str, outer_step: int) -> None:
     if not hold.startswith("/"):
         time.sleep(float(hold))
         return
+    hold = hold.replace(STEP_IN_GATE, str(outer_step))
     deadline = time.monotonic() + GATE_TIMEOUT_SECONDS
     while not os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.2)
