@@ -9,19 +9,33 @@ The run has a secret (outer.secret_file) and an intruder beside it (tests/intrud
 code, the run's name and config, not its secret) forging records, asking for the state and trying to join every round
 with a Δ of 1000 at weight 10^6: the run's every round is still the two regions' exact DiLoCo step, and the
 intruder's downloads are refused and counted (`peer_rejected`).
+
+The same run is scraped by a real Prometheus (tests/prometheus_board.py: Debian's `prometheus`, reading the
+service-discovery file Ray's own scrape config names) and federated by a second one: every query of the Grafana board
+(cluster/grafana/ray-diloco.json) must return series for both regions with plausible values (loss finite and
+falling, bytes > 0, outer step = T, both regions in every round), the federated series carry the cluster's label, and
+the driver's live summary lines and loss.png are there. That test skips where the `prometheus` binary is not
+installed (`.ci/run` installs it with apt-get where it can). One run for both (each costs two minutes of CI).
 """
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from conftest import assert_gone, run_process_ids, small_run
+from prometheus_board import (NOT_INSTALLED, check_board, check_federation, federation_config,
+                              ray_scraped_by_prometheus, running_prometheus)
+from test_metrics import board_exprs
 from ray_diloco.driver import run_training
 from ray_diloco.model import build_model, parameter_state
 from ray_diloco.sync.outer import OuterOptimizer, pseudo_gradient, weighted_average
@@ -86,24 +100,58 @@ def assert_matches_plain_pytorch_outer_step(summary, recorded, cfg):
             param.data.copy_(actual[name])
 
 
-def test_regions_of_one_and_two_workers_overlapped_agree_bit_for_bit_and_learn_with_an_intruder_beside_them(
-        local_ray, tmp_path):
-    """One run for all of it (each costs over a minute of CI): regions of 1 and 2 workers, the overlapped outer
-    step (every round but the last runs while the workers train on), a secret, and an intruder beside them."""
+class _Tee(io.TextIOBase):
+    """Writes to each of its streams: the run's console output is kept for a test and still shown."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self):
+        for stream in self.streams:
+            stream.flush()
+
+
+@pytest.fixture(scope="module")
+def hetero(tmp_path_factory):
+    """The module's one run: regions of 1 and 2 workers, the overlapped outer step (every round but the last runs
+    while the workers train on), a secret, an intruder beside them, a checkpoint at the end (the board's
+    checkpoint panels), scraped by Prometheus and federated where it is installed (the global Prometheus federates
+    while the run is live: a finished run's series go stale in the regional one once its actors are gone, and
+    /federate serves only live series). Both Prometheus servers serve the module's tests after the run."""
+    tmp_path = tmp_path_factory.mktemp("hetero")
     secret = tmp_path / "run.secret"
     secret.write_text(os.urandom(32).hex())
+    # A checkpoint at the last outer step only: a checkpointed round blocks (it cannot overlap), and the last does.
     cfg = small_run(tmp_path, "hetero", workers=[1, 2])
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, checkpoint_every=cfg.run.outer_steps))
     cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, overlap=True, secret_file=str(secret)))
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
     report = tmp_path / "intruder.json"
-    intruder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("intruder.py")),
-                                 str(tmp_path / "run.yaml"), str(report)], start_new_session=True)
-    try:
-        summary, recorded = run_recording(cfg)
-    finally:  # its group: the intruder and what it started (its DHT process, p2pd, averagers)
-        os.killpg(intruder.pid, signal.SIGKILL)
-        intruder.wait(30)
-    tried = json.loads(report.read_text())
+    with ray_scraped_by_prometheus(tmp_path / "prometheus") as port, contextlib.ExitStack() as stack:
+        global_port = stack.enter_context(running_prometheus(tmp_path / "global", federation_config(port))) \
+            if port else None
+        intruder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("intruder.py")),
+                                     str(tmp_path / "run.yaml"), str(report)], start_new_session=True)
+        console, started = io.StringIO(), time.time()
+        try:
+            with contextlib.redirect_stdout(_Tee(sys.stdout, console)):
+                summary, recorded = run_recording(cfg)
+        finally:  # its group: the intruder and what it started (its DHT process, p2pd, averagers)
+            os.killpg(intruder.pid, signal.SIGKILL)
+            intruder.wait(30)
+        yield dict(cfg=cfg, secret=secret, summary=summary, recorded=recorded, tried=json.loads(report.read_text()),
+                   console=console.getvalue(), started=started, finished=time.time(), port=port,
+                   global_port=global_port, results=tmp_path / cfg.run.name)
+
+
+def test_regions_of_one_and_two_workers_overlapped_agree_bit_for_bit_and_learn_with_an_intruder_beside_them(hetero):
+    cfg, secret, summary, recorded = (hetero[key] for key in ("cfg", "secret", "summary", "recorded"))
+    tried = hetero["tried"]
     assert tried["forged_stores"] and tried["download_attempts"] and tried["average_attempts"], tried
     assert tried["downloads_served"] == 0 and tried["largest_group"] <= 1, tried
     rejected = [e for e in summary["events"] if e["event"] == "peer_rejected"]
@@ -125,3 +173,20 @@ def test_regions_of_one_and_two_workers_overlapped_agree_bit_for_bit_and_learn_w
         assert abs(per_round - 2 * params) / (2 * params) < 0.02, (per_round, params)
     assert summary["tokens"] == (1 + 2) * cfg.total_inner_steps * cfg.data.batch_size * cfg.data.seq_len
     assert summary["skipped_records"] == 0
+
+
+def test_every_board_query_returns_both_regions(hetero):
+    if hetero["port"] is None:
+        pytest.skip(NOT_INSTALLED)
+    cfg, summary, T = hetero["cfg"], hetero["summary"], hetero["cfg"].run.outer_steps
+    assert summary["regions_agree"]
+    check_federation(hetero["global_port"], cfg)
+    # The driver's live lines, its last line, and the picture.
+    out = hetero["console"]
+    assert f"[driver] outer {T}/{T}" in out, out[-3000:]
+    png = hetero["results"] / "loss.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"[driver] loss curves: {png}" in out
+    assert set(summary["loss_curve"]) == {"r0", "r1"} and len(summary["loss_curve"]["r0"]) == cfg.total_inner_steps
+    # Prometheus has the last values once the agent reported (1 s) and it scraped (1 s).
+    time.sleep(max(0.0, hetero["finished"] + 6 - time.time()))
+    check_board(hetero["port"], cfg, summary, hetero["started"], time.time(), board_exprs())

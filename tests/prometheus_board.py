@@ -1,9 +1,7 @@
-"""Prometheus for real: Debian's `prometheus` scrapes Ray's metrics agent (through the service-discovery
-file Ray's own scrape config names) while one short 2-region DiLoCo run trains; then every query of the
-Grafana board (cluster/grafana/ray-diloco.json) is run against Prometheus' HTTP API and must return series
-for both regions with plausible values: loss finite and falling, bytes > 0, outer step = T, both regions in
-every round. The same run checks the driver's live summary lines and loss.png. Skips where the
-`prometheus` binary is not installed (`.ci/run` installs it with apt-get where it can)."""
+"""A real Prometheus for tests: Debian's `prometheus` scraping Ray's metrics agent through the service-discovery
+file Ray's own scrape config names, a second one federating it (cluster/prometheus/global-federation.yml), and the
+checks every query of the Grafana board (cluster/grafana/ray-diloco.json) must pass on a finished 2-region run
+(tests/test_multiregion.py runs them)."""
 
 import contextlib
 import json
@@ -14,21 +12,18 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-import uuid
 
 import pytest
 import ray
 import yaml
 
-from conftest import free_port, small_run
-from test_metrics import board_exprs
+from conftest import free_port
 
 from ray_diloco import metrics
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the `prometheus` binary is not installed "
-                                "(Debian: apt-get install prometheus; .ci/run does it where apt-get works)")
-T = 3
+NOT_INSTALLED = ("the `prometheus` binary is not installed (Debian: apt-get install prometheus; .ci/run does it "
+                 "where apt-get works)")
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -45,30 +40,10 @@ def api(port: int, path: str, **params) -> dict:
     return answer["data"]
 
 
-@pytest.fixture(scope="module")
-def ray_with_prometheus(tmp_path_factory):
-    # The core workers report to the metrics agent every second (default 10 s), Prometheus scrapes every second.
-    # With the dashboard: its metrics head writes Ray's scrape config and service-discovery file.
-    ray.init(address="local", num_cpus=8, include_dashboard=True,
-             _system_config={"metrics_report_interval_ms": 1000})
-    session = ray._private.worker._global_node.get_session_dir_path()
-    ray_yml = pathlib.Path(session, "metrics", "prometheus", "prometheus.yml")
-    wait_until(ray_yml.exists, 60, f"Ray to write {ray_yml}")
-    sd_files = yaml.safe_load(ray_yml.read_text())["scrape_configs"][0]["file_sd_configs"][0]["files"]
-    wait_until(lambda: all(pathlib.Path(f).exists() for f in sd_files), 60, f"Ray to write {sd_files}")
-    assert all(f.startswith(session) for f in sd_files), sd_files  # this cluster's nodes, not another Ray's
-    work = tmp_path_factory.mktemp("prometheus")
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "scrape_configs": [{"job_name": "ray",
-                                  "file_sd_configs": [{"files": sd_files, "refresh_interval": "5s"}]}]}
-    with running_prometheus(work, config) as port:
-        yield port, tmp_path_factory
-    ray.shutdown()
-
-
 @contextlib.contextmanager
 def running_prometheus(work: pathlib.Path, config: dict):
     """A real Prometheus with `config` on a free loopback port, until the block ends."""
+    work.mkdir(parents=True, exist_ok=True)
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     process = subprocess.Popen([PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
@@ -97,50 +72,6 @@ def series_by(result: list[dict], label: str) -> dict[str, list[float]]:
     return {s["metric"].get(label, ""): [float(v) for _, v in s["values"]] for s in result}
 
 
-def test_every_board_query_returns_both_regions(ray_with_prometheus, tmp_path, capfd):
-    from ray_diloco.driver import run_training
-
-    port, tmp_factory = ray_with_prometheus
-    name = f"prom-{uuid.uuid4().hex[:6]}"
-    started = time.time()
-    # eval_every as a default run has it (None: chosen for a bounded cost; here the end's evaluation only), and
-    # a checkpoint every outer step for the checkpoint panels.
-    cfg = small_run(tmp_path, name, [1, 1], inner_steps=4, outer_steps=T, checkpoint_every=1)
-    # The global Prometheus federates while the run is live: a finished run's series go stale in the regional
-    # one once its actors are gone, and /federate serves only live series.
-    with running_prometheus(tmp_factory.mktemp("global"), federation_config(port)) as global_port:
-        summary = run_training(cfg)
-        assert summary["regions_agree"]
-        time.sleep(4)
-        check_federation(global_port, name)
-
-    # The driver's live lines, its last line, and the picture.
-    out = capfd.readouterr().out
-    assert f"[driver] outer {T}/{T}" in out, out[-3000:]
-    png = tmp_path / name / "loss.png"
-    assert png.read_bytes()[:4] == b"\x89PNG" and f"[driver] loss curves: {png}" in out
-    assert set(summary["loss_curve"]) == {"r0", "r1"} and len(summary["loss_curve"]["r0"]) == 4 * T
-
-    # Prometheus has the last values once the agent reported (1 s) and it scraped (1 s).
-    time.sleep(6)
-    end = time.time()
-    for expr in board_exprs():
-        query = expr.replace("$run", name).replace("$region", ".*").replace("$__rate_interval", "30s")
-        query = query.replace("$__range", f"{int(end - started) + 60}s")
-        result = api(port, "query_range", query=query, start=started, end=end, step="1s")["result"]
-        assert result, f"no series for {query}"
-        values = {tuple(sorted(s["metric"].items())): [float(v) for _, v in s["values"]] for s in result}
-        assert all(math.isfinite(v) for vs in values.values() for v in vs), query
-        if "by (region" in query:
-            assert {s["metric"]["region"] for s in result} == {"r0", "r1"}, (query, result)
-        check_plausible(query, result, summary)
-    # The counters themselves (the board reads them through increase()): exactly what the summary says.
-    for key, metric in (("comm_bytes_sent", "bytes_sent_total"), ("comm_bytes_received", "bytes_received_total")):
-        result = api(port, "query", query=f'ray_ray_diloco_{metric}{{run="{name}"}}', time=end)["result"]
-        assert {s["metric"]["region"]: float(s["value"][1]) for s in result} == \
-            {r: float(b) for r, b in summary[key].items()}, (metric, result)
-
-
 def federation_config(regional_port: int) -> dict:
     """cluster/prometheus/global-federation.yml, its targets pointed at this test's Prometheus (one region's)."""
     config = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "cluster" / "prometheus"
@@ -151,16 +82,17 @@ def federation_config(regional_port: int) -> dict:
     return config
 
 
-def check_federation(port: int, name: str) -> None:
+def check_federation(port: int, cfg) -> None:
     """The global Prometheus got the run's ray_diloco series from the regional one, labelled with the cluster
     they came from, up to the last outer step."""
-    query = f'max_over_time(ray_ray_diloco_outer_step{{run="{name}"}}[10m])'
+    query = f'max_over_time(ray_ray_diloco_outer_step{{run="{cfg.run.name}"}}[10m])'
     result = api(port, "query", query=query)["result"]
     assert {(s["metric"]["region"], s["metric"]["ray_cluster"], float(s["value"][1])) for s in result} == \
-        {("r0", "local", T), ("r1", "local", T)}, result
+        {(r.name, "local", cfg.run.outer_steps) for r in cfg.regions}, result
 
 
-def check_plausible(query: str, result: list[dict], summary: dict) -> None:
+def check_plausible(query: str, result: list[dict], summary: dict, cfg) -> None:
+    T, regions = cfg.run.outer_steps, {r.name: r.workers for r in cfg.regions}
     metric = query.split("(")[-1].split("{")[0]
     last = {s["metric"].get("region", s["metric"].get("run")): float(s["values"][-1][1]) for s in result}
     if "histogram_quantile(" in query:  # round times: between 0 and the histogram's top bucket
@@ -169,17 +101,18 @@ def check_plausible(query: str, result: list[dict], summary: dict) -> None:
         assert max(max(float(v) for _, v in s["values"]) for s in result) > 0, query
         if metric == "ray_ray_diloco_events_total":
             started = {s["metric"]["region"] for s in result if s["metric"]["event"] == "sync_actor_started"}
-            assert started == {"r0", "r1"}, result
+            assert started == set(regions), result
     elif metric == "ray_ray_diloco_inner_loss":
         for region, losses in series_by(result, "region").items():
             assert losses[-1] < losses[0], f"{region}: loss did not fall: {losses}"
     elif metric == "ray_ray_diloco_outer_step":
         assert set(last.values()) == {T}, last
     elif metric == "ray_ray_diloco_round_regions":
-        assert set(last.values()) == {2}, last
+        assert set(last.values()) == {len(regions)}, last
     elif metric == "ray_ray_diloco_eval_loss":  # the driver's evaluation at the end reaches the gauge too
         assert last == {summary["run"]: pytest.approx(summary["eval_loss"])}
-        assert summary["eval_curve"][-1] == pytest.approx({"outer_step": T, "tokens_per_worker": T * 4 * 8 * 128,
+        assert summary["eval_curve"][-1] == pytest.approx({"outer_step": T,
+                                                           "tokens_per_worker": cfg.tokens_per_worker(T),
                                                            "eval_loss": summary["eval_loss"],
                                                            "eval_perplexity": summary["eval_perplexity"]})
         assert list(last.values())[0] < summary["eval_loss_at_start"]
@@ -195,15 +128,61 @@ def check_plausible(query: str, result: list[dict], summary: dict) -> None:
                     "ray_ray_diloco_learning_rate"):
         assert all(v > 0 for v in last.values()), (metric, last)
     elif metric == "ray_ray_diloco_region_workers":
-        assert last == {"r0": 1.0, "r1": 1.0}, last
+        assert last == {name: float(workers) for name, workers in regions.items()}, last
     elif metric == "ray_ray_diloco_connected_peers":  # the other region's node at least
         assert all(v >= 1 for v in last.values()), last
     elif metric == "ray_ray_diloco_checkpoint_seconds":
-        assert all(v > 0 for v in last.values()) and set(last) == {"r0", "r1"}, last
+        assert all(v > 0 for v in last.values()) and set(last) == set(regions), last
     elif metric == "ray_ray_diloco_last_checkpoint_step":
-        assert last == {"r0": T, "r1": T}, last
+        assert last == {name: T for name in regions}, last
     elif metric == "ray_ray_diloco_skipped_records":
         assert last == {summary["run"]: float(summary["skipped_records"])}, last
     else:
         raise AssertionError(f"no plausibility check for {metric}: add one")
     assert metric in metrics.EXPORTED_NAMES
+
+
+@contextlib.contextmanager
+def ray_scraped_by_prometheus(work: pathlib.Path):
+    """A local Ray with its dashboard (its metrics head writes Ray's scrape config and service-discovery file) and,
+    where the binary is installed, a real Prometheus scraping it: yields Prometheus' port, or None without one.
+    The core workers report to the metrics agent every second (default 10 s), Prometheus scrapes every second."""
+    ray.init(address="local", num_cpus=8, include_dashboard=True, _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        if PROMETHEUS is None:
+            yield None
+            return
+        session = ray._private.worker._global_node.get_session_dir_path()
+        ray_yml = pathlib.Path(session, "metrics", "prometheus", "prometheus.yml")
+        wait_until(ray_yml.exists, 60, f"Ray to write {ray_yml}")
+        sd_files = yaml.safe_load(ray_yml.read_text())["scrape_configs"][0]["file_sd_configs"][0]["files"]
+        wait_until(lambda: all(pathlib.Path(f).exists() for f in sd_files), 60, f"Ray to write {sd_files}")
+        assert all(f.startswith(session) for f in sd_files), sd_files  # this cluster's nodes, not another Ray's
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "scrape_configs": [{"job_name": "ray",
+                                      "file_sd_configs": [{"files": sd_files, "refresh_interval": "5s"}]}]}
+        with running_prometheus(work, config) as port:
+            yield port
+    finally:
+        ray.shutdown()
+
+
+def check_board(port: int, cfg, summary: dict, started: float, end: float, board_exprs: list[str]) -> None:
+    """Every query of the board over the run (`started` to `end`) returns finite series for every region, with
+    plausible values; the byte counters are exactly the summary's."""
+    name = cfg.run.name
+    for expr in board_exprs:
+        query = expr.replace("$run", name).replace("$region", ".*").replace("$__rate_interval", "30s")
+        query = query.replace("$__range", f"{int(end - started) + 60}s")
+        result = api(port, "query_range", query=query, start=started, end=end, step="1s")["result"]
+        assert result, f"no series for {query}"
+        values = {tuple(sorted(s["metric"].items())): [float(v) for _, v in s["values"]] for s in result}
+        assert all(math.isfinite(v) for vs in values.values() for v in vs), query
+        if "by (region" in query:
+            assert {s["metric"]["region"] for s in result} == {r.name for r in cfg.regions}, (query, result)
+        check_plausible(query, result, summary, cfg)
+    # The counters themselves (the board reads them through increase()): exactly what the summary says.
+    for key, metric in (("comm_bytes_sent", "bytes_sent_total"), ("comm_bytes_received", "bytes_received_total")):
+        result = api(port, "query", query=f'ray_ray_diloco_{metric}{{run="{name}"}}', time=end)["result"]
+        assert {s["metric"]["region"]: float(s["value"][1]) for s in result} == \
+            {r: float(b) for r, b in summary[key].items()}, (metric, result)
