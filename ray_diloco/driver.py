@@ -177,9 +177,10 @@ def run_actor_name(kind: str, cfg: ExperimentConfig, region: str | None = None) 
 
 def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], record_rounds: bool = False,
                       evaluator: Any = None) -> list[Any]:
-    """The first region's actor bootstraps the DHT; the others join it with its multiaddrs. `resume`: the
-    outer step each region continues from (None: a fresh start)."""
-    actors, peers = [], list(cfg.outer.initial_peers)
+    """The first region's actor bootstraps the DHT; the others join it with its multiaddrs, started at once (each
+    waits for them only to join: building its state overlaps the first's start). `resume`: the outer step each
+    region continues from (None: a fresh start)."""
+    actors, peers, first_multiaddrs = [], list(cfg.outer.initial_peers), None
     config = cfg.to_dict()
     # The bytes, not the path: a SyncActor may run on another node. Never in the config, a log or a summary.
     secret = read_secret(cfg.outer.secret_file) if cfg.outer.secret_file else None
@@ -192,10 +193,11 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
         options: dict[str, Any] = {"name": run_actor_name("sync", cfg, region.name),
                                    "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region, pinned)}
         # One evaluator for the run: θ_global is the same in every region.
-        actor = SyncActor.options(**options).remote(config, region.name, peers, record_rounds,
-                                                    evaluator if not actors else None, step, secret)
-        if not peers:
-            peers = ray.get(actor.multiaddrs.remote())
+        actor = SyncActor.options(**options).remote(
+            config, region.name, peers, record_rounds, evaluator if not actors else None, step, secret,
+            [first_multiaddrs] if first_multiaddrs is not None else None)
+        if not peers and first_multiaddrs is None:
+            first_multiaddrs = actor.multiaddrs.remote()
         actors.append(actor)
     ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too
     if len(cfg.local_regions()) < len(cfg.regions) or cfg.outer.initial_peers:  # regions in other clusters

@@ -71,7 +71,10 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
 
     def __init__(self, config: dict, region: str, initial_peers: list[str] | None = None,
                  record_rounds: bool = False, evaluator=None, resume_step: int | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, peers_from: list | None = None):
+        """`peers_from`: without initial peers, [the ObjectRef of `multiaddrs()` of this driver's first region's
+        actor] (in a list: Ray would wait for a bare one before starting this actor), waited for only once this
+        actor's own state is built, so that the regions' actors start side by side."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = ExperimentConfig.from_dict(config)
         self.region = region
@@ -84,7 +87,10 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self.outer = OuterOptimizer(initial, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
                                     nesterov=cfg.outer.nesterov)
         self._init_round_state(record_rounds, evaluator)
-        self._start_hivemind(list(initial_peers or cfg.outer.initial_peers), secret)
+        bootstrap = list(initial_peers or cfg.outer.initial_peers)
+        if not bootstrap and peers_from:
+            bootstrap = ray.get(peers_from[0])
+        self._start_hivemind(bootstrap, secret)
         self._start_compressor()
         if resume_step is not None:
             self._resume_from_checkpoint(resume_step)
