@@ -196,7 +196,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
         actor = SyncActor.options(**options).remote(
             config, region.name, peers, record_rounds, evaluator if not actors else None, step, secret,
             [first_multiaddrs] if first_multiaddrs is not None else None)
-        if not peers and first_multiaddrs is None:
+        if not peers and first_multiaddrs is None and len(cfg.local_regions()) > 1:
             first_multiaddrs = actor.multiaddrs.remote()
         actors.append(actor)
     ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too

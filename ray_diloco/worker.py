@@ -53,10 +53,17 @@ def test_slowdown(region: str, outer_step: int) -> None:
     if not hold.startswith("/"):
         time.sleep(float(hold))
         return
-    hold = hold.replace(STEP_IN_GATE, str(outer_step))
+    gate = gate_for_step(hold, outer_step)
     deadline = time.monotonic() + GATE_TIMEOUT_SECONDS
-    while not os.path.exists(hold) and time.monotonic() < deadline:
+    while not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.2)
+    if not os.path.exists(gate):  # the test's schedule is off from here: say so where its failure will show
+        status(f"[{region}] test gate {gate} not there after {GATE_TIMEOUT_SECONDS:.0f} s: going on")
+
+
+def gate_for_step(gate: str, outer_step: int) -> str:
+    """The gate file that holds outer step `outer_step` (STEP_IN_GATE in `gate` stands for it)."""
+    return gate.replace(STEP_IN_GATE, str(outer_step))
 
 
 def status(line: str) -> None:

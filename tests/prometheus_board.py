@@ -111,8 +111,8 @@ def check_plausible(query: str, result: list[dict], summary: dict, cfg) -> None:
         assert set(last.values()) == {len(regions)}, last
     elif metric == "ray_ray_diloco_eval_loss":  # the driver's evaluation at the end reaches the gauge too
         assert last == {summary["run"]: pytest.approx(summary["eval_loss"])}
-        assert summary["eval_curve"][-1] == pytest.approx({"outer_step": T,
-                                                           "tokens_per_worker": cfg.tokens_per_worker(T),
+        per_worker = T * cfg.outer.inner_steps * cfg.data.batch_size * cfg.data.seq_len  # written out, not the code's
+        assert summary["eval_curve"][-1] == pytest.approx({"outer_step": T, "tokens_per_worker": per_worker,
                                                            "eval_loss": summary["eval_loss"],
                                                            "eval_perplexity": summary["eval_perplexity"]})
         assert list(last.values())[0] < summary["eval_loss_at_start"]
@@ -144,10 +144,11 @@ def check_plausible(query: str, result: list[dict], summary: dict, cfg) -> None:
 
 @contextlib.contextmanager
 def ray_scraped_by_prometheus(work: pathlib.Path):
-    """A local Ray with its dashboard (its metrics head writes Ray's scrape config and service-discovery file) and,
-    where the binary is installed, a real Prometheus scraping it: yields Prometheus' port, or None without one.
+    """A local Ray and, where the binary is installed, a real Prometheus scraping it (through Ray's dashboard: its
+    metrics head writes Ray's scrape config and service-discovery file): yields Prometheus' port, or None.
     The core workers report to the metrics agent every second (default 10 s), Prometheus scrapes every second."""
-    ray.init(address="local", num_cpus=8, include_dashboard=True, _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(address="local", num_cpus=8, include_dashboard=PROMETHEUS is not None,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         if PROMETHEUS is None:
             yield None

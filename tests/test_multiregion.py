@@ -132,9 +132,9 @@ def hetero(tmp_path_factory):
     cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, overlap=True, secret_file=str(secret)))
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
     report = tmp_path / "intruder.json"
-    with ray_scraped_by_prometheus(tmp_path / "prometheus") as port, contextlib.ExitStack() as stack:
-        global_port = stack.enter_context(running_prometheus(tmp_path / "global", federation_config(port))) \
-            if port else None
+    with ray_scraped_by_prometheus(tmp_path / "prometheus") as port, \
+            (running_prometheus(tmp_path / "global", federation_config(port)) if port else contextlib.nullcontext()) \
+            as global_port:
         intruder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("intruder.py")),
                                      str(tmp_path / "run.yaml"), str(report)], start_new_session=True)
         console, started = io.StringIO(), time.time()
@@ -180,6 +180,8 @@ def test_every_board_query_returns_both_regions(hetero):
         pytest.skip(NOT_INSTALLED)
     cfg, summary, T = hetero["cfg"], hetero["summary"], hetero["cfg"].run.outer_steps
     assert summary["regions_agree"]
+    # Prometheus has the last values once the agent reported (1 s), it scraped and the global one federated (1 s).
+    time.sleep(max(0.0, hetero["finished"] + 6 - time.time()))
     check_federation(hetero["global_port"], cfg)
     # The driver's live lines, its last line, and the picture.
     out = hetero["console"]
@@ -187,6 +189,4 @@ def test_every_board_query_returns_both_regions(hetero):
     png = hetero["results"] / "loss.png"
     assert png.read_bytes()[:4] == b"\x89PNG" and f"[driver] loss curves: {png}" in out
     assert set(summary["loss_curve"]) == {"r0", "r1"} and len(summary["loss_curve"]["r0"]) == cfg.total_inner_steps
-    # Prometheus has the last values once the agent reported (1 s) and it scraped (1 s).
-    time.sleep(max(0.0, hetero["finished"] + 6 - time.time()))
     check_board(hetero["port"], cfg, summary, hetero["started"], time.time(), board_exprs())

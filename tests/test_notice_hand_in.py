@@ -9,7 +9,6 @@ included. One run, two notices, each schedule in a round of its own (round 0 mee
   workers save then, and the SyncActor takes that checkpoint for the round (`late_hand_in`). This schedule once
   failed a MID_WINDOW test in CI (the other region was late to start); before the looks in the round, nothing was
   saved and the next group started AdamW anew.
-(They were two runs of 5-7 minutes each; one run with a round more costs one start-up less.)
 
 Region us runs on a Ray head with Ray's own autoscaler (tests/autoscaling_head.py: the fake multi-node provider,
 worker nodes of 2 CPUs labelled `us`, one at least); its driver is `ray-diloco train --address` of the head,
@@ -44,7 +43,7 @@ from conftest import Driver, alive, driver_env, events_of, named_actor, wait_for
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.driver import run_actor_name
 from ray_diloco.presets import tiny_cpu
-from ray_diloco.worker import SLOW_REGION_ENV_VAR, STEP_IN_GATE
+from ray_diloco.worker import SLOW_REGION_ENV_VAR, STEP_IN_GATE, gate_for_step
 from ray_diloco.worker import test_slowdown as hold_before_exchange  # not a test of this module
 from ray_diloco.worker_checkpoint import META_FILE, checkpoint_name
 
@@ -73,7 +72,7 @@ def run_yaml(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_step_in_a_gate_holds_each_round_at_its_own_file(tmp_path, monkeypatch):
+def test_a_step_in_a_gate_holds_each_round_at_its_own_file(tmp_path, monkeypatch, capsys):
     """The hook the schedule below relies on: "{step}" in the gate's path, one file per outer step."""
     monkeypatch.setenv(SLOW_REGION_ENV_VAR, f"eu:{tmp_path}/go-{STEP_IN_GATE}:1")
     monkeypatch.setattr("ray_diloco.worker.GATE_TIMEOUT_SECONDS", 1.0)
@@ -84,14 +83,18 @@ def test_a_step_in_a_gate_holds_each_round_at_its_own_file(tmp_path, monkeypatch
         hold_before_exchange("eu", step)
         waited[step] = time.monotonic() - started
     assert waited[0] < 0.5 and waited[1] < 0.5 and waited[2] >= 1.0, waited  # step 0 not held; 2 has no file
+    assert capsys.readouterr().out == f"[eu] test gate {tmp_path}/go-2 not there after 1 s: going on\n"
 
 
 def notice_and_restart(head, actor, drivers: dict, handed_in: int, eu_gate: Path, restarts: int) -> bool:
     """Drain the node us's worker runs on with a deadline (the cloud's notice), wait for Ray Train to end the group
     at it, let eu hand in (the round of both ends, after us's group), kill the node (the autoscaler starts another)
-    and wait for the group's restart there. Returns whether the group ended with its round still waiting for eu."""
+    and wait for the group's restart there (its `restarts`-th). Returns whether the group ended with its round still
+    waiting for eu. `drivers`: those that must still run while the group restarts."""
     running = while_running(drivers)
-    node = ray.get(actor.stats.remote())["worker_nodes"][-1]  # the node of the group running now
+    nodes = ray.get(actor.stats.remote())["worker_nodes"]  # in order of first use: one per group so far
+    assert len(nodes) == restarts, nodes
+    node = nodes[-1]
     worker_pids = list(ray.get(actor.worker_pids.remote()).values())
     head.drain(node, deadline_seconds=NOTICE_SECONDS)
     running(lambda: not any(alive(pid) for pid in worker_pids), NOTICE_SECONDS + 180,
@@ -101,15 +104,8 @@ def notice_and_restart(head, actor, drivers: dict, handed_in: int, eu_gate: Path
     eu_gate.touch()
     head.kill_node(node)
     restarted = lambda: events_of(actor, "inner_state_restored") + events_of(actor, "inner_state_reset")
-    # After the run's last round eu finishes, and its driver may exit before us's group is back (a CI run: eu's
-    # summary 7 s before us's restart): only us's driver must still run here.
-    while_running({"us": drivers["us"]})(lambda: len(restarted()) >= restarts, 600,
-                                         f"the group's restart {restarts} on a new node")
+    running(lambda: len(restarted()) >= restarts, 600, f"the group's restart {restarts} on a new node")
     return in_round_at_deadline
-
-
-def gate_of(gate: str, step: int) -> Path:
-    return Path(gate.replace(STEP_IN_GATE, str(step)))
 
 
 @pytest.mark.timeout(1500)
@@ -139,12 +135,17 @@ def test_notices_mid_window_and_in_the_round_leave_the_next_group_the_hand_in_ch
         running(lambda: ray.get(actor.outer_step.remote()) >= 1, 900, "us's first round")
         mid_window = ray.get(actor.outer_step.remote())  # the step of the round the first notice's window hands in
         # MID_WINDOW: right after us's first round, as its group trains the next window.
-        in_round = [notice_and_restart(head, actor, drivers, mid_window, gate_of(eu_gate, mid_window), 1)]
+        assert mid_window == 1, mid_window  # eu is held before round 1's exchange: us cannot be further
+        ended_in_round = [notice_and_restart(head, actor, drivers, mid_window,
+                                             Path(gate_for_step(eu_gate, mid_window)), restarts=1)]
         # IN_THE_ROUND: the restarted group trains the last window, hands it in and waits in the round for eu.
-        in_the_round = mid_window + 1
-        running(lambda: ray.get(actor.stats.remote())["rounds_handed_in"] == [in_the_round], 600,
+        last_step = mid_window + 1
+        running(lambda: ray.get(actor.stats.remote())["rounds_handed_in"] == [last_step], 600,
                 "us to hand in its last window and wait in the round for eu")
-        in_round.append(notice_and_restart(head, actor, drivers, in_the_round, gate_of(eu_gate, in_the_round), 2))
+        # After the run's last round eu finishes, and its driver may exit before us's group is back (a CI run: eu's
+        # summary 7 s before us's restart): only us's driver must still run then.
+        ended_in_round.append(notice_and_restart(head, actor, {"us": drivers["us"]}, last_step,
+                                                 Path(gate_for_step(eu_gate, last_step)), restarts=2))
         for name, driver in drivers.items():
             assert driver.process.wait(timeout=600) == 0, f"{name}'s driver failed:\n{driver.output()[-3000:]}"
 
@@ -152,7 +153,8 @@ def test_notices_mid_window_and_in_the_round_leave_the_next_group_the_hand_in_ch
     summary = {region: json.loads((results / f"summary-{region}.json").read_text()) for region in ("us", "eu")}
     events = summary["us"]["events"]
     rounds = {r["outer_step"]: r for r in summary["us"]["rounds"]["us"]}
-    assert in_round == [True, True], events  # each group ended with its round still waiting for eu
+    assert sorted(r["outer_step"] for r in summary["us"]["rounds"]["us"]) == list(range(OUTER_STEPS)), rounds
+    assert ended_in_round == [True, True], events  # each group ended with its round still waiting for eu
     # MID_WINDOW: the notice came early in the window (seen within Ray Train's poll, 5 s, and a look, at most 5 s of
     # steps): that window ended early, the only one, and its checkpoint was saved as it handed in.
     early = [e for e in events if e["event"] == "window_ended_early"]
@@ -163,16 +165,16 @@ def test_notices_mid_window_and_in_the_round_leave_the_next_group_the_hand_in_ch
     # IN_THE_ROUND: the whole window was handed in; the notice came as the round waited for eu: a look in the round
     # found it (worker.wait_for_round, every ROUND_LOOK_SECONDS) and the SyncActor took the checkpoint saved then.
     saved_in_round = [(e["outer_step"], e["taken"]) for e in events if e["event"] == "saved_in_round"]
-    assert saved_in_round == [(in_the_round, True)], events
-    assert rounds[in_the_round]["tokens"] == INNER_STEPS * tokens_per_step, rounds[in_the_round]
-    for step in (mid_window, in_the_round):
+    assert saved_in_round == [(last_step, True)], events
+    assert rounds[last_step]["tokens"] == INNER_STEPS * tokens_per_step, rounds[last_step]
+    for step in (mid_window, last_step):
         # Under a notice the round blocked, to be checkpointed; it met eu.
         assert not rounds[step]["overlapped"] and rounds[step]["group_size"] == 2, rounds[step]
         assert "eu" in rounds[step]["peers"], rounds[step]
     assert all(r["overlapped"] for step, r in rounds.items() if step < mid_window)  # the workers trained on
     restarted = [e for e in events if e["event"].startswith("inner_state_")]
     assert [e["event"] for e in restarted] == ["inner_state_restored"] * 2, events  # not reset: no window lost
-    for restart, step in zip(restarted, (mid_window, in_the_round)):
+    for restart, step in zip(restarted, (mid_window, last_step)):
         # saved for the round of the step handed in (named after it), committed with the step its round reached
         assert checkpoint_name(step, token="") in restart["checkpoint"], restart
         assert restart["outer_step"] == step + 1, restart
