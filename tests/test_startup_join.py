@@ -1,8 +1,8 @@
 """A region's SyncActor starting for a resumed run: what it joins before its workers start.
 
 The driver starts its regions' SyncActors side by side, the others joining the first once it is up; the first reads
-the regions' records before the others have published, so the run's storage supplies their stored ones — from their earlier life, when the run is
-resumed. Real SyncActor, Hivemind, checkpoint store and stored records (no Ray).
+the regions' records before the others have published, so the run's storage supplies their stored ones — from their
+earlier life, when the run is resumed. Real SyncActor, Hivemind, checkpoint store and stored records (no Ray).
 """
 
 from __future__ import annotations
