@@ -180,7 +180,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     """The first region's actor bootstraps the DHT; the others join it with its multiaddrs, started at once (each
     waits for them only to join: building its state overlaps the first's start). `resume`: the outer step each
     region continues from (None: a fresh start)."""
-    actors, peers, first_multiaddrs = [], list(cfg.outer.initial_peers), None
+    actors, peers, first_multiaddrs = [], list(cfg.outer.initial_peers), None  # the first's, where others wait
     config = cfg.to_dict()
     # The bytes, not the path: a SyncActor may run on another node. Never in the config, a log or a summary.
     secret = read_secret(cfg.outer.secret_file) if cfg.outer.secret_file else None
@@ -196,7 +196,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
         actor = SyncActor.options(**options).remote(
             config, region.name, peers, record_rounds, evaluator if not actors else None, step, secret,
             [first_multiaddrs] if first_multiaddrs is not None else None)
-        if not peers and first_multiaddrs is None and len(cfg.local_regions()) > 1:
+        if len(actors) == 0 and not peers and len(cfg.local_regions()) > 1:
             first_multiaddrs = actor.multiaddrs.remote()
         actors.append(actor)
     ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too

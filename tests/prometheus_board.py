@@ -17,20 +17,13 @@ import pytest
 import ray
 import yaml
 
-from conftest import free_port
+from conftest import free_port, wait_for
 
 from ray_diloco import metrics
 
 PROMETHEUS = shutil.which("prometheus")
 NOT_INSTALLED = ("the `prometheus` binary is not installed (Debian: apt-get install prometheus; .ci/run does it "
                  "where apt-get works)")
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.5)
 
 
 def api(port: int, path: str, **params) -> dict:
@@ -155,9 +148,9 @@ def ray_scraped_by_prometheus(work: pathlib.Path):
             return
         session = ray._private.worker._global_node.get_session_dir_path()
         ray_yml = pathlib.Path(session, "metrics", "prometheus", "prometheus.yml")
-        wait_until(ray_yml.exists, 60, f"Ray to write {ray_yml}")
+        wait_for(ray_yml.exists, 60, f"Ray to write {ray_yml}")
         sd_files = yaml.safe_load(ray_yml.read_text())["scrape_configs"][0]["file_sd_configs"][0]["files"]
-        wait_until(lambda: all(pathlib.Path(f).exists() for f in sd_files), 60, f"Ray to write {sd_files}")
+        wait_for(lambda: all(pathlib.Path(f).exists() for f in sd_files), 60, f"Ray to write {sd_files}")
         assert all(f.startswith(session) for f in sd_files), sd_files  # this cluster's nodes, not another Ray's
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                   "scrape_configs": [{"job_name": "ray",
