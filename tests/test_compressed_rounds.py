@@ -43,7 +43,8 @@ ROUNDS = 3
 
 
 def config(tmp_path, method: str) -> dict:
-    cfg = small_run(tmp_path, f"compressed-{method}", workers=[1, 1, 1], matchmaking_seconds=3.0, outer_steps=10)
+    cfg = small_run(tmp_path, f"compressed-{method}", workers=[1, 1, 1], matchmaking_seconds=3.0, outer_steps=10,
+                    data={})  # its rounds declare TOKENS, within what the preset's windows hold
     outer = dataclasses.replace(cfg.outer, method=method, momentum=0.0, nesterov=False, lr=1.0,
                                 topk=8 if method == "sparseloco" else 0)
     return dataclasses.replace(cfg, outer=outer, model=dataclasses.replace(cfg.model, vocab_size=256)).to_dict()

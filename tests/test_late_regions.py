@@ -19,7 +19,7 @@ import json
 import torch
 import yaml
 
-from conftest import Driver, driver_env, wait_for
+from conftest import TEST_DATA, Driver, driver_env, wait_for
 from ray_diloco.config import ExperimentConfig
 from ray_diloco.sync.peers import read_peer_files
 from ray_diloco.worker import SLOW_REGION_ENV_VAR
@@ -36,7 +36,7 @@ def run_config(tmp_path):
         # stored final record.
         "run": {"name": "late", "outer_steps": T, "output_dir": str(tmp_path), "stop_timeout_seconds": 60,
                 "checkpoint_every": 1},
-        "inner": {"warmup_steps": 1}}))
+        "inner": {"warmup_steps": 1}, "data": TEST_DATA}))
     return str(config)
 
 

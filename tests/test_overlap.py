@@ -26,7 +26,7 @@ LR, MOMENTUM = 0.7, 0.9
 
 
 def config(tmp_path, outer_steps: int, checkpoint_every: int = 0) -> dict:
-    cfg = small_run(tmp_path, "overlap", workers=[1], outer_steps=outer_steps)
+    cfg = small_run(tmp_path, "overlap", workers=[1], outer_steps=outer_steps, data={})  # rounds of 1000 tokens
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, vocab_size=256),
         outer=dataclasses.replace(cfg.outer, overlap=True, lr=LR, momentum=MOMENTUM, nesterov=True),

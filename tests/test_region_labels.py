@@ -17,7 +17,7 @@ import ray
 from ray.util.state import list_actors, list_workers
 
 from autoscaling_head import AutoscalingHead, NodeType, watching
-from conftest import Driver, driver_env, named_actor, wait_for
+from conftest import TEST_DATA, Driver, driver_env, named_actor, wait_for
 from ray_diloco.config import RegionConfig
 from ray_diloco.driver import REGION_LABEL, run_actor_name
 from ray_diloco.presets import tiny_cpu
@@ -31,6 +31,7 @@ def labelled_run(tmp_path):
     cfg = tiny_cpu()
     return dataclasses.replace(
         cfg, regions=[RegionConfig(name=name, workers=1) for name in REGIONS],
+        data=dataclasses.replace(cfg.data, **TEST_DATA),
         inner=dataclasses.replace(cfg.inner, warmup_steps=2),
         outer=dataclasses.replace(cfg.outer, inner_steps=4, matchmaking_seconds=5.0),
         run=dataclasses.replace(cfg.run, name="labels", outer_steps=OUTER_STEPS, eval_every=0,

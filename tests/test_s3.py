@@ -21,7 +21,7 @@ import ray
 import torch
 import yaml
 
-from conftest import Driver, driver_env
+from conftest import TEST_DATA, Driver, driver_env
 from s3_server import SHADOWING_VARIABLES, S3Server, free_port
 from ray_diloco.cli import build_parser, main, resolve_config
 from ray_diloco.config import ConfigError, DataConfig, ExperimentConfig
@@ -203,7 +203,7 @@ def test_two_runs_at_once_with_every_path_in_one_bucket(s3):
                   "outer": {"inner_steps": 2, "max_wait_seconds": 30, "matchmaking_seconds": 1,
                             "averaging_timeout": 30},
                   "inner": {"warmup_steps": 1},
-                  "data": {"eval_windows": 8},
+                  "data": TEST_DATA,
                   "run": {"name": name, "seed": seed, "outer_steps": T, "checkpoint_every": 1, "eval_every": 0}}
         put(s3, f"{bucket}/{name}.yaml", yaml.safe_dump(config).encode())
         drivers[name] = Driver(["--config", f"{bucket}/{name}.yaml", "--data", f"{bucket}/c4/c4-train.*.json.gz",

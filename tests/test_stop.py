@@ -21,7 +21,7 @@ import time
 import pytest
 import yaml
 
-from conftest import Driver, RunInThread, assert_gone, driver_env, wait_for
+from conftest import TEST_DATA, Driver, RunInThread, assert_gone, driver_env, wait_for
 from ray_diloco.cli import main
 from ray_diloco.config import ConfigError, ExperimentConfig
 from ray_diloco.sharding import from_wire
@@ -134,7 +134,7 @@ def test_a_region_that_never_reaches_a_boundary_is_aborted_at_the_stop_timeout(t
     config.write_text(yaml.safe_dump({
         "outer": {"inner_steps": 3, "max_wait_seconds": 2, "matchmaking_seconds": 1, "averaging_timeout": 3},
         "run": {"stop_timeout_seconds": 20, "outer_steps": 50, "checkpoint_every": 1},
-        "inner": {"warmup_steps": 2}}))
+        "inner": {"warmup_steps": 2}, "data": TEST_DATA}))
     driver = Driver(["--config", str(config), "--regions", "2", "--run-name", "aborted", "--output-dir",
                      str(tmp_path)], driver_env(**{SLOW_REGION_ENV_VAR: "region-b:600"}))  # b never gets past step 3
     # Generous: a loaded CI machine took over 240 s to start both regions' workers here.
