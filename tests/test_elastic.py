@@ -113,6 +113,7 @@ def first_windows_fingerprint(cfg: ExperimentConfig, windows: int) -> str:
 
 # Alone on this project's 2-core machine, two regions took 522 s with 18 outer steps and 426 s with 16; with a
 # third region and 18 steps, 716 s in a full CI run.
+@pytest.mark.long  # ~10 min here: not in the default run (pyproject.toml)
 @pytest.mark.timeout(1200)
 def test_an_elastic_region_grows_with_the_autoscaler_survives_a_preemption_and_trains_every_window_once(tmp_path):
     config = run_yaml(tmp_path)

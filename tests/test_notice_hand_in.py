@@ -108,6 +108,7 @@ def notice_and_restart(head, actor, drivers: dict, handed_in: int, eu_gate: Path
     return in_round_at_deadline
 
 
+@pytest.mark.long  # ~10 min here: not in the default run (pyproject.toml)
 @pytest.mark.timeout(1500)
 def test_notices_mid_window_and_in_the_round_leave_the_next_group_the_hand_in_checkpoint(tmp_path):
     config = run_yaml(tmp_path)
