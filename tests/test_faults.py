@@ -290,7 +290,8 @@ def test_a_real_group_restarted_after_its_regions_stop_checkpoints_that_step_and
             if step == 1:
                 ray.get(actor.request_stop.remote())  # `ray job stop`, before the second hand-in
             shards = to_wire({name: t + 1e-3 * (step + 1) for name, t in theta.items()})
-            reached, rows, stop = ray.get(actor.exchange.remote(step, 0, 1, shards, 1000))
+            tokens = cfg.tokens_per_worker(1)  # a whole window's (a weight above the run's bound is refused)
+            reached, rows, stop = ray.get(actor.exchange.remote(step, 0, 1, shards, tokens))
             theta = from_wire(rows)
         assert (reached, stop) == (2, True)
         store = CheckpointStore(join(cfg.run.checkpoint_root(), "r0"))
