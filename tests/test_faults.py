@@ -77,7 +77,9 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
     Ray, configured as a run of its own that knows one peer (no shared Ray, clock source or lifetime with the
     others). It loads θ_global from its peers over Hivemind (bit-identical) and takes part in the following
     rounds."""
-    matchmaking, steps = 15.0, 12  # steps: the run still going when the joiner has started (a minute or more)
+    # steps: the run still going when the joiner has started (a minute or more; rounds of 2-12 s meanwhile: in a CI
+    # run it joined at step 7 of 12)
+    matchmaking, steps = 15.0, 14
     cfg = small_run(tmp_path / "first", "come-and-go", workers=[1, 1, 1], inner_steps=3, outer_steps=steps,
                     matchmaking_seconds=matchmaking, max_failures=0)
     run = RunInThread(lambda stop: run_training(cfg, stop=stop))
@@ -108,8 +110,11 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
 
     assert_gone(run_pids)  # a run whose region failed leaves no process behind either
     assert [e["region"] for e in summary["events"] if e["event"] == "region_departed"] == ["r2"]
+    # r3 takes the run's state as its SyncActor starts, and again where the others moved on before its workers
+    # started (the driver's catch_up): with rounds of a few seconds they often do (a CI run: joined at 7, then 8).
     joins = [e for e in joiner["events"] if e["event"] == "region_joined"]
-    assert len(joins) == 1 and joins[0]["to_step"] >= 2, joiner["events"]
+    assert joins and joins[0]["to_step"] >= 2, joiner["events"]
+    assert [e["to_step"] for e in joins] == sorted({e["to_step"] for e in joins}), joins  # forward only
     joined_at = joins[0]["to_step"]
     digests, missed = {}, []
     for region in ("r0", "r1"):
@@ -137,8 +142,9 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
         assert digests["r0"][step] == digests["r1"][step], step
     assert summary["eval_loss"] == summary["eval_loss"] and summary["eval_loss"] < summary["eval_loss_at_start"]
 
-    # r3 started from exactly the θ_global the others held after that outer step, and all three end bit-identical.
-    assert joins[0]["digest"] in (digests["r0"].get(joined_at - 1), digests["r1"].get(joined_at - 1))
+    # Each state r3 took is exactly the θ_global the others held after that outer step; all three end bit-identical.
+    for join in joins:
+        assert join["digest"] in (digests["r0"].get(join["to_step"] - 1), digests["r1"].get(join["to_step"] - 1))
     assert set(summary["global_digest"]) == {"r0", "r1"} and summary["regions_agree"]
     assert joiner["global_digest"]["r3"] == summary["global_digest"]["r0"]
 
