@@ -187,28 +187,40 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     if any(step is not None for step in resume.values()):
         print(f"[driver] continuing run {cfg.run.name} from outer steps {resume} (checkpoints under "
               f"{cfg.run.checkpoint_root()})", flush=True)
-    for region in cfg.local_regions():
-        step = resume[region.name]
-        pinned = region_network(cfg, region.name).pinned
-        options: dict[str, Any] = {"name": run_actor_name("sync", cfg, region.name),
-                                   "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region, pinned)}
-        # One evaluator for the run: θ_global is the same in every region.
-        actor = SyncActor.options(**options).remote(
-            config, region.name, peers, record_rounds, evaluator if not actors else None, step, secret,
-            [first_multiaddrs] if first_multiaddrs is not None else None)
-        if len(actors) == 0 and not peers and len(cfg.local_regions()) > 1:
-            first_multiaddrs = actor.multiaddrs.remote()
-        actors.append(actor)
-    ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too
-    if len(cfg.local_regions()) < len(cfg.regions) or cfg.outer.initial_peers:  # regions in other clusters
-        if secret is None:
-            print(f"[driver] warning: run {cfg.run.name} has no secret: anyone who reaches a region's Hivemind port "
-                  "and knows the run's name can take part; give every region --secret-file (README: threat model)",
-                  flush=True)
-        for region, actor in zip(cfg.local_regions(), actors):
-            if warning := reach_warning(region.name, ray.get(actor.multiaddrs.remote())):
-                print(warning, flush=True)
+    try:
+        for region in cfg.local_regions():
+            step = resume[region.name]
+            pinned = region_network(cfg, region.name).pinned
+            options: dict[str, Any] = {"name": run_actor_name("sync", cfg, region.name),
+                                       "num_cpus": cfg.outer.sync_actor_cpus, **actor_placement(region, pinned)}
+            # One evaluator for the run: θ_global is the same in every region.
+            actor = SyncActor.options(**options).remote(
+                config, region.name, peers, record_rounds, evaluator if not actors else None, step, secret,
+                [first_multiaddrs] if first_multiaddrs is not None else None)
+            if len(actors) == 0 and not peers and len(cfg.local_regions()) > 1:
+                first_multiaddrs = actor.multiaddrs.remote()
+            actors.append(actor)
+        ray.get([a.catch_up.remote() for a in actors])  # surfaces start-up errors here too
+        if len(cfg.local_regions()) < len(cfg.regions) or cfg.outer.initial_peers:  # regions in other clusters
+            warn_about_reach(cfg, actors, secret)
+    except BaseException:
+        # The caller gets no handle to end them by: the ones that started (their Hivemind running) end here,
+        # or they outlive the failed start in any driver process that lives on.
+        release_all([(a, "shutdown") for a in actors])
+        wait_until_dead(actors)
+        raise
     return actors
+
+
+def warn_about_reach(cfg: ExperimentConfig, actors: list[Any], secret: bytes | None) -> None:
+    """Where regions of other clusters take part: say what would let outsiders in or keep those regions out."""
+    if secret is None:
+        print(f"[driver] warning: run {cfg.run.name} has no secret: anyone who reaches a region's Hivemind port "
+              "and knows the run's name can take part; give every region --secret-file (README: threat model)",
+              flush=True)
+    for region, actor in zip(cfg.local_regions(), actors):
+        if warning := reach_warning(region.name, ray.get(actor.multiaddrs.remote())):
+            print(warning, flush=True)
 
 
 def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], recipes: list[Any], counters: Any) -> list[Any]:

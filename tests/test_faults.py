@@ -143,8 +143,8 @@ def test_a_region_killed_and_another_joining_later_the_run_finishes_with_every_l
     assert summary["eval_loss"] == summary["eval_loss"] and summary["eval_loss"] < summary["eval_loss_at_start"]
 
     # Each state r3 took is exactly the θ_global the others held after that outer step; all three end bit-identical.
-    for join in joins:
-        assert join["digest"] in (digests["r0"].get(join["to_step"] - 1), digests["r1"].get(join["to_step"] - 1))
+    for taken in joins:
+        assert taken["digest"] in (digests["r0"].get(taken["to_step"] - 1), digests["r1"].get(taken["to_step"] - 1))
     assert set(summary["global_digest"]) == {"r0", "r1"} and summary["regions_agree"]
     assert joiner["global_digest"]["r3"] == summary["global_digest"]["r0"]
 
@@ -332,10 +332,29 @@ def test_the_first_regions_actor_failing_to_start_fails_the_start_with_its_own_e
     (`peers_from`): where the first cannot start (here: told to resume from a checkpoint that is not there), the
     others fail with it, and the driver's start raises the first's own error, not a hang."""
     from ray_diloco.driver import start_sync_actors
+
+    cfg = actor_start_config(tmp_path, "first-fails")
+    with pytest.raises(Exception, match="no committed outer checkpoint of step 2"):
+        start_sync_actors(cfg, {"r0": 2, "r1": None})
+
+
+def test_a_later_regions_actor_failing_to_start_ends_the_actors_already_started(local_ray, tmp_path):
+    """Where the second region's actor cannot start, the first — started, its Hivemind running — is ended with
+    its processes before the error reaches the caller: a driver in a process that lives on (a notebook, a test
+    session, a service) is left with no actor of the failed run (one was found alive by name a minute later)."""
+    from ray_diloco.driver import run_actor_name, start_sync_actors
+
+    cfg = actor_start_config(tmp_path, "second-fails")
+    with pytest.raises(Exception, match="no committed outer checkpoint of step 2"):
+        start_sync_actors(cfg, {"r0": None, "r1": 2})
+    with pytest.raises(ValueError):  # Ray knows no live actor by that name
+        ray.get_actor(run_actor_name("sync", cfg, "r0"))
+
+
+def actor_start_config(tmp_path, name):
+    """A two-region run's config with the model's true shapes, as the driver has it when it starts the actors."""
     from ray_diloco.run_setup import resolve_vocab
     from ray_diloco.tokenizer import load_tokenizer
 
-    cfg = small_run(tmp_path, "first-fails", [1, 1], checkpoint_path=str(tmp_path / "bucket"))
-    cfg = resolve_vocab(cfg, load_tokenizer(cfg.data.tokenizer))  # as the driver does: the model's true shapes
-    with pytest.raises(Exception, match="no committed outer checkpoint of step 2"):
-        start_sync_actors(cfg, {"r0": 2, "r1": None})
+    cfg = small_run(tmp_path, name, [1, 1], checkpoint_path=str(tmp_path / "bucket"))
+    return resolve_vocab(cfg, load_tokenizer(cfg.data.tokenizer))
