@@ -235,7 +235,12 @@ def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], recipes: li
     # autoscaler starting them) is not waited for: it builds its dataset at its first batch.
     prepared = [stream.prepare.remote() for stream in streams]
     ready, _ = ray.wait(prepared, num_returns=len(prepared), timeout=STREAM_PREPARE_SECONDS)
-    ray.get(ready)
+    try:
+        ray.get(ready)
+    except BaseException:  # the caller gets no handle to end them by
+        release_all([(s, "close") for s in streams])
+        wait_until_dead(streams)
+        raise
     return streams
 
 

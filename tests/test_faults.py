@@ -358,3 +358,18 @@ def actor_start_config(tmp_path, name):
 
     cfg = small_run(tmp_path, name, [1, 1], checkpoint_path=str(tmp_path / "bucket"))
     return resolve_vocab(cfg, load_tokenizer(cfg.data.tokenizer))
+
+
+def test_a_regions_unreadable_data_ends_the_streams_already_started(local_ray, tmp_path):
+    """`start_streams` fails the run on a region's unreadable data before training: the other region's stream,
+    already started, is ended before the error reaches the caller (the caller holds no handle to end it by)."""
+    from ray_diloco.driver import run_actor_name, start_streams
+
+    def no_dataset():  # defined here: Ray's workers cannot import this test module (pickled by value)
+        raise FileNotFoundError("no data under s3://nowhere/c4 (as a region's unreadable data)")
+
+    cfg = small_run(tmp_path, "stream-fails", [1, 1])
+    with pytest.raises(Exception, match="no data under s3://nowhere"):
+        start_streams(cfg, cfg.regions, [lambda: ray.data.range(8), no_dataset], None)
+    with pytest.raises(ValueError):  # Ray knows no live actor by that name
+        ray.get_actor(run_actor_name("stream", cfg, "r0"))
