@@ -15,6 +15,7 @@
 """
 
 import dataclasses
+import glob
 import json
 import os
 import signal
@@ -334,8 +335,11 @@ def test_the_first_regions_actor_failing_to_start_fails_the_start_with_its_own_e
     from ray_diloco.driver import start_sync_actors
 
     cfg = actor_start_config(tmp_path, "first-fails")
+    before = hivemind_sockets()
     with pytest.raises(Exception, match="no committed outer checkpoint of step 2"):
         start_sync_actors(cfg, {"r0": 2, "r1": None})
+    # r0's Hivemind had started: Ray calls no shutdown on an actor whose constructor raised, the actor does
+    wait_for(lambda: not hivemind_sockets() - before, 30, "the failed actor's Hivemind socket files removed")
 
 
 def test_a_later_regions_actor_failing_to_start_ends_the_actors_already_started(local_ray, tmp_path):
@@ -345,10 +349,17 @@ def test_a_later_regions_actor_failing_to_start_ends_the_actors_already_started(
     from ray_diloco.driver import run_actor_name, start_sync_actors
 
     cfg = actor_start_config(tmp_path, "second-fails")
+    before = hivemind_sockets()
     with pytest.raises(Exception, match="no committed outer checkpoint of step 2"):
         start_sync_actors(cfg, {"r0": None, "r1": 2})
     with pytest.raises(ValueError):  # Ray knows no live actor by that name
         ray.get_actor(run_actor_name("sync", cfg, "r0"))
+    wait_for(lambda: not hivemind_sockets() - before, 30, "both actors' Hivemind socket files removed")
+
+
+def hivemind_sockets() -> set[str]:
+    """The unix sockets of Hivemind's p2p daemons and clients on this host (each one's own: a random name)."""
+    return set(glob.glob("/tmp/hivemind-*.sock"))
 
 
 def actor_start_config(tmp_path, name):

@@ -90,19 +90,30 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         bootstrap = list(initial_peers or cfg.outer.initial_peers)
         if not bootstrap and peers_from:
             bootstrap = ray.get(peers_from[0])
-        self._start_hivemind(bootstrap, secret)
-        self._start_compressor()
-        if resume_step is not None:
-            self._resume_from_checkpoint(resume_step)
-        if self.sharer is not None:
-            self._announce()
-            self._dial_peer_files()
-            if secret:  # named before we ask: the regions serving us the run's state admit members only
-                self._announce_joining()
-            self._join_if_behind()
-            self._publish_safely(0)
+        self.averager = self.sharer = self.payloads = None  # what `shutdown` ends, as far as it got
+        try:
+            self._start_hivemind(bootstrap, secret)
+            self._start_compressor()
+            if resume_step is not None:
+                self._resume_from_checkpoint(resume_step)
+            if self.sharer is not None:
+                self._join_the_run(secret)
+        except BaseException:
+            # Ray calls nothing on an actor whose constructor raised: Hivemind's daemon would be left to die with
+            # the process, and its socket files under /tmp for good.
+            self.shutdown()
+            raise
         metrics.safely(metrics.record_event, cfg.run.name, region, "sync_actor_started")
         metrics.safely(metrics.record_outer_step, cfg.run.name, region, self.outer.step_count)
+
+    def _join_the_run(self, secret: bytes | None) -> None:
+        """Say who we are, meet the regions' peers, and take the run's state if it is ahead of ours."""
+        self._announce()
+        self._dial_peer_files()
+        if secret:  # named before we ask: the regions serving us the run's state admit members only
+            self._announce_joining()
+        self._join_if_behind()
+        self._publish_safely(0)
 
     def _start_hivemind(self, bootstrap: list[str], secret: bytes | None) -> None:
         """The region's Hivemind node (DHT + averager) and its state sharing, where the run has other regions
