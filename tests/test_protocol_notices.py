@@ -86,6 +86,29 @@ def noticed(draw, schedule: Schedule) -> Schedule:
 
 
 @st.composite
+def noticed_in_a_round(draw, schedule: Schedule) -> Schedule:
+    """`noticed`, and the fastest region's notice comes while its workers wait in the first round for a slower region,
+    its deadline in that round or up to two windows after it: where the looks in and after a round decide what is
+    kept. For schedules without faults: every region starts at 0 without jitter, so the fastest hands in at the end of
+    its window and the round lasts until the slowest hands in (or max_wait has passed)."""
+    schedule = draw(noticed(schedule))
+    fastest = min(schedule.regions, key=lambda plan: plan.window_seconds)
+    handed_in = fastest.window_seconds
+    ends = max(handed_in, min(max(p.window_seconds for p in schedule.regions), handed_in + schedule.max_wait))
+    at = draw(st.floats(handed_in, ends))
+    in_round = max(1.0, ends - at)
+    left = draw(st.floats(1.0, in_round) | st.floats(in_round, in_round + 2 * handed_in))
+    plans = tuple(dataclasses.replace(p, notices=((at, left),)) if p is fastest else p for p in schedule.regions)
+    return dataclasses.replace(schedule, regions=plans)
+
+
+# The schedules without faults that the properties of blocking rounds are tested on and the searches for the old
+# rules draw from: `noticed`'s notices anywhere, and half of them with a notice in a round.
+NOTICED_IN_ROUNDS = (schedules(faults=False).flatmap(noticed)
+                     | schedules(faults=False).flatmap(noticed_in_a_round))
+
+
+@st.composite
 def lone_noticed(draw) -> Schedule:
     """One region, no fault but notices (1-3) that each leave at least a look's spacing and a round."""
     window, steps = draw(st.floats(20.0, 60.0)), draw(INNER_STEPS)
@@ -277,7 +300,7 @@ def test_property_tests_find_each_fault_of_the_workers_old_rules(fault, draws_in
 
 
 @PROPERTY_SETTINGS
-@given(schedules(faults=False).flatmap(noticed))
+@given(NOTICED_IN_ROUNDS)
 def test_property_a_notice_that_came_in_a_blocking_round_keeps_that_round(draws_independent_of_loaded_modules,
                                                                           schedule):
     found = unkept_after_a_blocking_round(schedule)
@@ -295,7 +318,7 @@ def test_property_tests_find_the_workers_look_only_before_the_exchange(draws_ind
     which would find the notice in the round itself: left out here too.
     """
     old_rule = Rules(looks_after_round=False, looks_in_round=False)
-    example = found_under(schedules(faults=False).flatmap(noticed),
+    example = found_under(NOTICED_IN_ROUNDS,
                           lambda schedule: unkept_after_a_blocking_round(schedule, old_rule),
                           "the look before the exchange only lost a round that came with its notice", LONG_SEARCH)
     assert not unkept_after_a_blocking_round(example)
@@ -319,7 +342,7 @@ EARLY_ROUND_RESYNCED = Schedule(
 
 
 @PROPERTY_SETTINGS
-@given(schedules(faults=False).flatmap(noticed))
+@given(NOTICED_IN_ROUNDS)
 @example(EARLY_ROUND_RESYNCED)
 def test_property_with_several_regions_an_early_round_that_outlives_its_group_keeps_the_inner_state(
         draws_independent_of_loaded_modules, schedule):
@@ -334,7 +357,7 @@ def test_property_tests_find_the_early_round_outliving_its_group_without_the_han
         draws_independent_of_loaded_modules):
     """The workers before the hand-in checkpoint saved their part after the round only: a round that ended after the
     deadline left none, and the group that follows started AdamW anew. Hypothesis must find such a schedule."""
-    example = found_under(schedules(faults=False).flatmap(noticed),
+    example = found_under(NOTICED_IN_ROUNDS,
                           lambda schedule: outlived_early(schedule, Rules(checkpoint_at_hand_in=False)),
                           "an early round outlived its group without the hand-in checkpoint")
     assert not outlived_early(example)
@@ -409,7 +432,7 @@ def outlived_in_a_blocking_round(schedule: Schedule, rules: Rules = Rules()) -> 
 
 
 @PROPERTY_SETTINGS
-@given(schedules(faults=False).flatmap(noticed))
+@given(NOTICED_IN_ROUNDS)
 def test_property_a_notice_in_a_round_that_outlives_its_group_keeps_the_inner_state(
         draws_independent_of_loaded_modules, schedule):
     found = outlived_in_a_blocking_round(schedule)
@@ -422,7 +445,7 @@ def test_property_tests_find_a_round_outliving_its_group_without_the_looks_in_th
     its deadline before the round's end (the other regions late), left no checkpoint of the round's step, and the
     group that followed started AdamW anew (CI drew this schedule for tests/test_notice_hand_in.py). Hypothesis must
     find such a schedule."""
-    example = found_under(schedules(faults=False).flatmap(noticed),
+    example = found_under(NOTICED_IN_ROUNDS,
                           lambda schedule: outlived_in_a_blocking_round(schedule, Rules(looks_in_round=False)),
                           "a round outlived its group without the looks in the round", LONG_SEARCH)
     assert not outlived_in_a_blocking_round(example)
