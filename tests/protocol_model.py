@@ -60,6 +60,11 @@ class Rules:
     # (the workers before worker.wait_for_round) they did not look for a notice while they waited in a round: one that
     # came then, with the round ending after its deadline, left no checkpoint of the round's step
     looks_in_round: bool = True
+    # (the workers before this rule) a notice a mid-window look found, the window trained on in full (there was time
+    # for it and its round): without overlap they told the SyncActor nothing with their hand-in and saved their part
+    # at the first look in the round, ROUND_LOOK_SECONDS later; a round that outlasted its estimate and the deadline
+    # before that look left no checkpoint of the round's step
+    tells_a_known_notice: bool = True
     # (the workers before preemption.LOOK_SECONDS) their mid-window looks were a ninth of a window apart however slow
     # its steps: a notice shorter than that (a window of 3.4 s steps in CI: 24 s) could come and go between two
     looks_by_time: bool = True
@@ -188,6 +193,8 @@ class Outcome:
     # (preemption.NOTICE_GRACE_SECONDS after their deadline) and trained on
     woke_before_deadline: list[tuple[str, float]] = field(default_factory=list)
     blocking_rounds: list[tuple[str, float, float]] = field(default_factory=list)  # (region, hand-in, end) of each
+    # (region, hand-in) of each round handed in under a notice an earlier look of its group had found
+    known_at_hand_in: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -71,6 +71,11 @@ class Notices:
                 believed.append(actual if left is not None else unseen_at + self._left(region.plan, None))
         return min(believed, default=None)
 
+    def _known_notice(self, region: _Region, when: float) -> bool:
+        """Whether a look of the group before `when` found a notice: the workers' NoticeWatch holds it from then on
+        (Ray Train never withdraws one)."""
+        return any(self._deadline(region, look) is not None for look in region.looks if look < when)
+
     def _start_looking(self, region: _Region, started: float) -> None:
         """A group's train function starts at `started` with its notice watch (before it registers and waits in
         resume_state); Ray Train's watcher started just before it, so that counts as a look WATCHER_LEAD_SECONDS
@@ -173,7 +178,8 @@ class Notices:
         while (deadline := min((end for _, end in self._notices(region) if since < end <= until),
                                default=None)) is not None:
             ended.append(deadline)
-            region.group_started = deadline
+            # past it: a notice with no time left (its deadline at its own arrival) is still the group's otherwise
+            region.group_started = since = deadline
         return ended
 
     def _ended_before_failure(self, region: _Region) -> bool:

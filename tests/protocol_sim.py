@@ -172,9 +172,14 @@ class Simulator(Hangs, Notices, DriverStops, World):
         # may overlap (they look before the exchange); without overlap they look after the round (_after_round).
         early = trained < s.inner_steps
         looks_before = s.overlap or not rules.looks_after_round
-        if looks_before and not early:  # (a window ended early stands under a notice already: no look)
+        # A notice an earlier look of the group found (mid-window, the window trained on): the workers know it.
+        known = self._known_notice(region, came_in)
+        if known:
+            self.out.known_at_hand_in.append((name, came_in))
+        known = known and rules.tells_a_known_notice
+        if looks_before and not early and not known:  # (a window ended early stands under a notice already: no look)
             region.looks.append(came_in)
-        told = early or (looks_before and self._deadline(region, came_in) is not None)
+        told = early or known or (looks_before and self._deadline(region, came_in) is not None)
         if region.hung_node is not None:  # a round hung in flight is waited for first (SyncActorImpl._complete_round)
             if (yield from self._overdue_in_flight(region)) == policy.FAIL:
                 region.overlapped = None
