@@ -11,14 +11,11 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
-import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -37,9 +34,9 @@ from ray_diloco.network import reach_warning, region_network
 from ray_diloco.outcome import (TrainingOutcome, baseline_outcome, build_summary, canonical_index,
                                 finished_elsewhere)
 from ray_diloco.plots import write_loss_png
-from ray_diloco.resources import (EVALUATOR_CPUS, check_cluster, check_fits, check_local_machine, local_cores,
-                                  local_cpus_for, run_needs)
-from ray_diloco.run_setup import PreparedRun, cluster_address, prepare_run, resume_plan, training_groups
+from ray_diloco.ray_connection import connect_ray
+from ray_diloco.resources import EVALUATOR_CPUS, check_cluster
+from ray_diloco.run_setup import PreparedRun, prepare_run, resume_plan, training_groups
 from ray_diloco.run_storage import held_regions
 from ray_diloco.methods.settings import describe_outer
 from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release_all, wait_for_groups,
@@ -56,69 +53,6 @@ REGION_LABEL = "ray.io/availability-region"
 # answer queued behind a slow evaluation must not hold a stopped driver past Ray's stop wait.
 RESULT_SECONDS = 120.0
 STREAM_PREPARE_SECONDS = 60.0  # how long start-up waits for the region streams to list their data
-API_SERVER_ENV_VAR = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
-
-
-def connect_ray(address: str | None, cfg: ExperimentConfig, groups: list[RegionConfig],
-                after_init: Callable[[], None] = lambda: None) -> None:
-    """Attach to the cluster named by --address or RAY_ADDRESS (`ray job submit` sets it), else start a
-    private local Ray sized for the run: never the `ray start` cluster of this machine by surprise
-    (`ray.init()` would attach to it, and refuses `num_cpus` then)."""
-    if ray.is_initialized():
-        return
-    address = cluster_address(address)
-    # WARNING: Ray's INFO start-up lines repeat what the driver prints below.
-    quiet = dict(logging_level=logging.WARNING, include_dashboard=True, job_config=job_metadata(cfg, groups))
-    if address:
-        context = ray.init(address=address, **quiet)
-        what = f"attached to the Ray cluster at {context.address_info.get('gcs_address', address)}"
-    else:
-        cores = local_cores()
-        check_local_machine(groups, cores)  # again for callers of run_training (benchmarks, tests)
-        cpus = local_cpus_for(cfg, groups, cores)
-        # This machine is the whole cluster: a run it cannot hold (GPUs it lacks) fails before Ray starts.
-        check_fits(run_needs(cfg, groups), {"CPU": cpus, "GPU": torch.cuda.device_count()}, None)
-        context = start_private_ray(cpus, **quiet)
-        what = "started a private local Ray (--address auto runs on a cluster `ray start` runs here)"
-    after_init()  # ray.init installed its own SIGTERM handler: the caller's goes back at once
-    dashboard = f"; dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
-    print(f"[driver] {what}{dashboard}", flush=True)
-
-
-def start_private_ray(num_cpus: int, **init_args):
-    """A local Ray of our own, with the dashboard: users watch the run there, and Ray Train's placement-group
-    cleaner needs its State API. That cleaner finds the State API through RAY_API_SERVER_ADDRESS, else through
-    the `ray start` cluster recorded under /tmp/ray: where one runs, it would ask that cluster whether our
-    Train controller is alive, hear "no such actor" and remove our workers' placement group. So the cluster's
-    processes, which inherit the environment at start, get our dashboard's address."""
-    port = _free_port()
-    previous = os.environ.get(API_SERVER_ENV_VAR)
-    os.environ[API_SERVER_ENV_VAR] = f"http://127.0.0.1:{port}"
-    try:
-        return ray.init(address="local", num_cpus=num_cpus, dashboard_port=port, **init_args)
-    finally:  # only the cluster's processes need it; this process may start other clusters later
-        if previous is None:
-            os.environ.pop(API_SERVER_ENV_VAR, None)
-        else:
-            os.environ[API_SERVER_ENV_VAR] = previous
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def job_metadata(cfg: ExperimentConfig, groups: list[RegionConfig]) -> ray.job_config.JobConfig:
-    """What the dashboard's Jobs page shows beside the job (under `ray job submit`, merged with the
-    submission's `--metadata-json`)."""
-    return ray.job_config.JobConfig(metadata={
-        "ray_diloco_run": cfg.run.name or "", "mode": cfg.run.mode,
-        "regions": ",".join(f"{g.name}:{g.workers}" for g in groups),
-        "model": f"d{cfg.model.hidden_size}-L{cfg.model.num_layers}",
-        "steps": f"H={cfg.outer.inner_steps} T={cfg.run.outer_steps}"})
-
-
 def region_placement(region: RegionConfig) -> dict[str, str] | None:
     """Pin a region to nodes labelled with its name, when the cluster defines regions."""
     labelled = {node.get("Labels", {}).get(REGION_LABEL) for node in ray.nodes() if node.get("Alive")}

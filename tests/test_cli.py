@@ -100,3 +100,45 @@ def test_the_command_line_loads_no_torch_before_its_checks():
             "from ray_diloco.config import ExperimentConfig; ExperimentConfig(); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def train_in_a_process(tmp_path, *argv, env=None):
+    """`ray-diloco train` in a process of its own (Ray's state is per process), on the bundled data."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **(env or {})}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "ray_diloco.cli", "train", "--regions", "1",
+                           "--output-dir", str(tmp_path / "out"), *argv], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_an_address_where_no_cluster_answers_is_a_one_line_error_naming_the_flag(tmp_path):
+    """It was ~30 s of Ray's GCS retry lines and a ConnectionError traceback (a new user's try)."""
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on: refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    done = train_in_a_process(tmp_path, "--address", f"127.0.0.1:{port}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"ray-diloco: error: --address 127.0.0.1:{port}: no Ray cluster answers there (Connection refused); give the "
+        "head's address (`ray status` on the head prints it), or leave it out for a private local Ray"], done.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("summary.json"))
+
+
+def test_address_auto_without_a_cluster_on_this_machine_is_a_one_line_error(tmp_path):
+    """`--address auto` (the README's) where no `ray start` runs here: Ray's ConnectionError was a 28-line
+    traceback. Ray finds a cluster by its address file (under RAY_TMPDIR: empty here) or a running GCS process."""
+    import psutil
+
+    if any("gcs_server" in (p.info["name"] or "") for p in psutil.process_iter(["name"])):
+        pytest.skip("a Ray cluster runs on this machine: `--address auto` would attach to it")
+    done = train_in_a_process(tmp_path, "--address", "auto", env={"RAY_TMPDIR": str(tmp_path / "no-ray")})
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ray-diloco: error: --address auto: "), done.stderr[-3000:]
+    assert "ray start --head" in lines[0], lines

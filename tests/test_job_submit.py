@@ -143,7 +143,7 @@ def test_a_job_that_cannot_fit_fails_within_seconds_with_the_resource_message(sm
 
 def run_connect(env, address):
     code = ("import ray; from ray_diloco.presets import tiny_cpu; from ray_diloco.run_setup import training_groups;"
-            "from ray_diloco.driver import connect_ray; cfg = tiny_cpu();"
+            "from ray_diloco.ray_connection import connect_ray; cfg = tiny_cpu();"
             f"connect_ray({address!r}, cfg, training_groups(cfg));"
             "print('GCS', ray.get_runtime_context().gcs_address, ray.cluster_resources()['CPU'])")
     env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}

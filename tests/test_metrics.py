@@ -141,7 +141,7 @@ def test_loss_png(tmp_path):
 
 
 def test_job_metadata():
-    from ray_diloco.driver import job_metadata
+    from ray_diloco.ray_connection import job_metadata
     from conftest import small_run
 
     cfg = small_run(pathlib.Path("/tmp"), "meta-run", [2, 1])
