@@ -60,6 +60,8 @@ def check_run_storage(run: RunConfig) -> bool:
     storage = run.storage()
     bucket = storage[: -len(run.name) - 1]  # storage() is `<bucket>/<name>`, the bucket normalised
     flag = "--checkpoint-path" if run.checkpoint_path else "--output-dir"
+    if (blocking := file_in_the_way(storage)) is not None:
+        raise ConfigError(f"{flag}: {blocking} is a file, not a directory; give a directory (made where missing)")
     try:
         other, owner = _read(join(bucket, MARKER)), _read(join(storage, MARKER))
     except OSError as error:  # an unreachable store or no access
@@ -71,6 +73,16 @@ def check_run_storage(run: RunConfig) -> bool:
         raise ConfigError(f"--run-name {run.name}: {storage} holds run {owner.decode().strip()!r} (its {MARKER} "
                           "file); choose another --run-name or --checkpoint-path")
     return owner is not None
+
+
+def file_in_the_way(location: str) -> str | None:
+    """The file, if any, where a local `location` or one of its parents should be a directory (None for URIs)."""
+    if "://" in location:
+        return None
+    path = os.path.abspath(location)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return None if os.path.isdir(path) else path
 
 
 def claim_storage(run: RunConfig) -> None:

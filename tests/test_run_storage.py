@@ -52,6 +52,16 @@ def test_storage_that_holds_another_run_is_refused_in_one_line(tmp_path):
         claim_storage(run_in(bucket, "c"))
 
 
+def test_storage_under_a_file_is_refused_naming_the_file(tmp_path):
+    """It was "cannot read …/RUN ([Errno 20] … Not a directory)" (a new user's --output-dir that was a file)."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory\n")
+    for bucket in (afile, afile / "deeper"):
+        with pytest.raises(ConfigError, match=rf"^--checkpoint-path: {afile} is a file, not a directory; give a "
+                                              r"directory \(made where missing\)$"):
+            claim_storage(run_in(bucket, "a"))
+
+
 def test_a_second_driver_is_refused_while_the_first_renews_and_starts_once_it_released(tmp_path):
     first = RegionLease(str(tmp_path), "eu", period=0.2)
     assert first.acquire() is False
