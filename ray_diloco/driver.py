@@ -162,16 +162,16 @@ def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], recipes: li
     dataset from its recipe. Not Ray Train's dataset split: a rank's rows there depend on the worker count, and
     an elastic group changes it."""
     streams = []
-    for group, make_dataset in zip(groups, recipes):
-        options = {"name": run_actor_name("stream", cfg, group.name), **actor_placement(group)}
-        streams.append(RegionStream.options(**options).remote(make_dataset, cfg.data.batch_size, counters))
-    # A region's unreadable data fails the run here, before training. A stream whose nodes are not up yet (an
-    # autoscaler starting them) is not waited for: it builds its dataset at its first batch.
-    prepared = [stream.prepare.remote() for stream in streams]
-    ready, _ = ray.wait(prepared, num_returns=len(prepared), timeout=STREAM_PREPARE_SECONDS)
     try:
+        for group, make_dataset in zip(groups, recipes):
+            options = {"name": run_actor_name("stream", cfg, group.name), **actor_placement(group)}
+            streams.append(RegionStream.options(**options).remote(make_dataset, cfg.data.batch_size, counters))
+        # A region's unreadable data fails the run here, before training. A stream whose nodes are not up yet (an
+        # autoscaler starting them) is not waited for: it builds its dataset at its first batch.
+        prepared = [stream.prepare.remote() for stream in streams]
+        ready, _ = ray.wait(prepared, num_returns=len(prepared), timeout=STREAM_PREPARE_SECONDS)
         ray.get(ready)
-    except BaseException:  # the caller gets no handle to end them by
+    except BaseException:  # (a stop during start-up too) the caller gets no handle to end them by
         release_all([(s, "close") for s in streams])
         wait_until_dead(streams)
         raise

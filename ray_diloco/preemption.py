@@ -17,7 +17,8 @@ would not end in time, the group hands in the steps it trained so far
 (`hands_in_early`: a shorter window, its Δ weighted by its tokens like any region's), so a window longer than the
 notice (H = 500 on GPUs against a cloud's 30 s) is not cut off. Its round still meets the other regions, which hand
 in when their own windows end, so it may end after the deadline, the group gone. So where the workers know of the
-notice as they hand in (a window ended early, or a look before an overlapped exchange), they save their part of the
+notice as they hand in (a window ended early, an earlier look found it and they trained on, or a look before an
+overlapped exchange), they save their part of the
 round's checkpoint then (`worker.save_at_hand_in`: AdamW as they go on with it; θ_global comes from the
 SyncActor on load), and the SyncActor commits it as the round ends (`policy.commits_hand_in_checkpoint`):
 the group that follows continues from it, AdamW included, however late the round ends. A notice that comes while
@@ -31,6 +32,7 @@ own cluster, never need to.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import ray.train
 import ray.train.collective
@@ -153,6 +155,17 @@ def agreed_step_seconds(trained: int, window_seconds: float) -> float:
     first window, its TIMED_STEP), taken by every rank (a barrier): the looks that follow (`looks_within_window`,
     `first_window_looks`) must fall on the same steps on every rank."""
     return ray.train.collective.broadcast_from_rank_zero(window_seconds / max(1, trained))
+
+
+def told_with_hand_in(ended_early: bool, looks_first: bool, look: Callable[[], bool],
+                      known: Callable[[], bool]) -> bool:
+    """Whether the workers tell the SyncActor of a notice as they hand in a window, saving their part of the round's
+    checkpoint then (`worker.save_at_hand_in`): a window ended early stands under one; where rounds may overlap
+    (`looks_first`) they `look` first (a barrier: a notice under which the round must block, or one widened since);
+    else one an earlier look found (`known`: their NoticeWatch holds it, and Ray Train never withdraws one), as the
+    round may outlast its deadline before the first look in the round. Otherwise they look while the round waits
+    and after it. Every rank decides alike (each look, and the NoticeWatch, are rank 0's)."""
+    return ended_early or (looks_first and look()) or known()
 
 
 def hands_in_early(seconds_left: float, rest_seconds: float, round_seconds: float | None) -> bool:

@@ -51,20 +51,37 @@ CLUSTER_ANSWER_SECONDS = 5.0  # how long a cluster's GCS port gets to accept a c
 def attach_ray(address: str, named_by: str, init_args: dict):
     """`ray.init` on the cluster at `address` (`named_by`: the flag or variable that gave it), or a one-line
     ConfigError where there is none: ray.init would retry an unreachable GCS for about 30 s, log a line at each try,
-    and end in a traceback. A `host:port` address is tried first with a plain connection."""
+    and end in a traceback. A `host:port` address (IPv6 in brackets) is tried first with a plain connection."""
     host, _, port = address.rpartition(":")
     if host and port.isdigit() and "://" not in address:
-        try:
-            socket.create_connection((host, int(port)), timeout=CLUSTER_ANSWER_SECONDS).close()
-        except OSError as error:
+        error = unanswered(host.strip("[]"), int(port))
+        if error is not None:
             raise ConfigError(f"{named_by} {address}: no Ray cluster answers there ({error.strerror or error}); "
                               "give the head's address (`ray status` on the head prints it), or leave it out for a "
                               "private local Ray") from None
     try:
         return ray.init(address=address, **init_args)
     except ConnectionError as error:  # `auto` with no `ray start` cluster on this machine, a cluster gone
-        raise ConfigError(f"{named_by} {address}: {str(error).splitlines()[0]} (start one with `ray start --head`, "
-                          "or leave it out for a private local Ray)") from None
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ConfigError(f"{named_by} {address}: {first_line} (start one with `ray start --head`, or leave it "
+                          "out for a private local Ray)") from error
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def unanswered(host: str, port: int) -> OSError | None:
+    """Why nothing accepts a connection at host:port (None: something does). Ray connects to this node's own
+    address in place of a loopback one, so that is tried too."""
+    hosts = [host] + ([ray.util.get_node_ip_address()] if host in LOOPBACK else [])
+    error = None
+    for candidate in hosts:
+        try:
+            socket.create_connection((candidate, port), timeout=CLUSTER_ANSWER_SECONDS).close()
+            return None
+        except OSError as refused:
+            error = error or refused
+    return error
 
 
 def start_private_ray(num_cpus: int, **init_args):

@@ -176,13 +176,13 @@ def checkpoint_region(sync_actor, model, inner_step: InnerStep, experiment_uri: 
 
 def save_at_hand_in(model, inner_step: InnerStep, experiment_uri: str, outer_step: int, inner_steps: int, rank: int,
                     world_size: int) -> str:
-    """Under a preemption notice known as the workers hand in outer step `outer_step` (a window ended early, a
-    mid-window look found one, or a look before an overlapped exchange): their part of the checkpoint of the step the round reaches, saved before
-    the round (every rank uploads; collective) and named after the step handed in. AdamW as the workers go on with
-    it, and the model as trained: the loader takes θ_global from the SyncActor instead (`holds_theta_global`), and
-    the schedule from the step the round reached. The SyncActor commits it as the round ends
-    (`policy.commits_hand_in_checkpoint`), so a round that meets the other regions after the deadline, the group
-    gone, still leaves the inner state to the group that follows. Returns where it is stored."""
+    """Under a preemption notice known as the workers hand in outer step `outer_step` (a window ended early, an
+    earlier look found one, or a look before an overlapped exchange): their part of the checkpoint of the step the
+    round reaches, saved before the round (every rank uploads; collective) and named after the step handed in.
+    AdamW as the workers go on with it, and the model as trained: the loader takes θ_global from the SyncActor
+    instead (`holds_theta_global`), and the schedule from the step the round reached. The SyncActor commits it as
+    the round ends (`policy.commits_hand_in_checkpoint`), so a round that meets the other regions after the
+    deadline, the group gone, still leaves the inner state to the group that follows. Returns where it is stored."""
     return save_worker_checkpoint(model, inner_step.optimizer, experiment_uri, outer_step,
                                   (outer_step + 1) * inner_steps, rank, world_size, holds_theta_global=False)
 
@@ -404,11 +404,11 @@ def region_train_loop(loop_config: dict[str, Any]) -> dict[str, Any]:
             test_slowdown(region, outer_step)
             # A preemption notice (a node of the group goes soon), looked for once a round: before the exchange
             # where rounds may overlap (one under a notice must not: it is checkpointed), else after it, the
-            # latest news, where the round that just ended can still be checkpointed. A window ended early stands
-            # under one already; so does one whose mid-window look found a notice and trained on (there was time):
-            # its round may still outlast the deadline, before the first look in the round.
-            notice = (trained < H or notice_watch.notice is not None
-                      or (cfg.outer.overlap and look_for_notice(sync_actor, notice_watch, region, rank)))
+            # latest news, where the round that just ended can still be checkpointed; told with the hand-in where
+            # known then (preemption.told_with_hand_in).
+            notice = preemption.told_with_hand_in(
+                trained < H, cfg.outer.overlap, lambda: look_for_notice(sync_actor, notice_watch, region, rank),
+                lambda: notice_watch.notice is not None)
             hand_in_checkpoint = None
             # Under a notice the workers checkpoint now, as the round may end after the deadline: the SyncActor commits
             # it as the round ends (that commit's time counts in the exchange's).

@@ -6,7 +6,8 @@ A notice (`RegionPlan.notices`: when, and seconds to its deadline) is seen by th
 mid-window (`looks_within_window` of `Schedule.inner_steps` and the time per step its last window took; in the
 group's first window, that of its TIMED_STEP: `first_window_looks`), once a round (after it; before the exchange with
 outer.overlap), and every ROUND_LOOK_SECONDS while they wait in a blocking round (`worker.wait_for_round`: then they
-save their hand-in checkpoint, and the SyncActor commits it as the round ends). A look that finds the rest of the window with its round would not end in time ends the window there
+save their hand-in checkpoint, and the SyncActor commits it as the round ends). A notice an earlier look found is told
+with the hand-in, the hand-in checkpoint saved then (`Outcome.known_at_hand_in`). A look that finds the rest of the window with its round would not end in time ends the window there
 (`hands_in_early`): its Δ is that many steps' update, weighted by its tokens. A round under a notice blocks
 (`policy.may_overlap(..., notice=True)`) and is checkpointed (`policy.checkpoints_at`); after it the group waits for
 the deadline where another window with its round might not end before it (`trains_through_notice`). At the deadline
@@ -73,8 +74,9 @@ class Notices:
 
     def _known_notice(self, region: _Region, when: float) -> bool:
         """Whether a look of the group before `when` found a notice: the workers' NoticeWatch holds it from then on
-        (Ray Train never withdraws one)."""
-        return any(self._deadline(region, look) is not None for look in region.looks if look < when)
+        (Ray Train never withdraws one). Not the group's start (`looks[0]`, `_start_looking`): it stands for the
+        watcher's own start, not a check, and a NoticeWatch starts knowing none."""
+        return any(self._deadline(region, look) is not None for look in region.looks[1:] if look < when)
 
     def _start_looking(self, region: _Region, started: float) -> None:
         """A group's train function starts at `started` with its notice watch (before it registers and waits in

@@ -52,6 +52,7 @@ from protocol_hangs import Hangs
 from protocol_notices import Notices
 from protocol_world import World
 
+from ray_diloco import preemption
 from ray_diloco.sync import policy
 from ray_diloco.sync.outer import OuterOptimizer, state_digest
 from ray_diloco.sync.policy import FINISHED, OUT, READY, UNSETTLED, StateRecord
@@ -168,18 +169,22 @@ class Simulator(Hangs, Notices, DriverStops, World):
         rendezvous, average and step. Returns True when the region ended."""
         name, rules, s = region.plan.name, self.rules, self.s
         came_in = self.now  # the workers are in the exchange from here: a deadline from now on ends them there
-        # The workers tell the SyncActor of a notice with their hand-in where the window ended early, or where rounds
-        # may overlap (they look before the exchange); without overlap they look after the round (_after_round).
+        # The workers tell the SyncActor of a notice with their hand-in where the window ended early, where rounds
+        # may overlap (they look before the exchange; a window ended early has no look), or where an earlier look
+        # found it (preemption.told_with_hand_in); else they look in the round and after it (_after_round).
         early = trained < s.inner_steps
         looks_before = s.overlap or not rules.looks_after_round
-        # A notice an earlier look of the group found (mid-window, the window trained on): the workers know it.
+        # A notice an earlier look of the group found (the window trained on): the workers know it.
         known = self._known_notice(region, came_in)
         if known:
             self.out.known_at_hand_in.append((name, came_in))
         known = known and rules.tells_a_known_notice
-        if looks_before and not early and not known:  # (a window ended early stands under a notice already: no look)
+
+        def look() -> bool:
             region.looks.append(came_in)
-        told = early or known or (looks_before and self._deadline(region, came_in) is not None)
+            return self._deadline(region, came_in) is not None
+
+        told = preemption.told_with_hand_in(early, looks_before, look, lambda: known)
         if region.hung_node is not None:  # a round hung in flight is waited for first (SyncActorImpl._complete_round)
             if (yield from self._overdue_in_flight(region)) == policy.FAIL:
                 region.overlapped = None

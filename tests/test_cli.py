@@ -127,7 +127,6 @@ def test_an_address_where_no_cluster_answers_is_a_one_line_error_naming_the_flag
     assert done.stderr.strip().splitlines() == [
         f"ray-diloco: error: --address 127.0.0.1:{port}: no Ray cluster answers there (Connection refused); give the "
         "head's address (`ray status` on the head prints it), or leave it out for a private local Ray"], done.stderr
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("summary.json"))
 
 
 def test_address_auto_without_a_cluster_on_this_machine_is_a_one_line_error(tmp_path):

@@ -382,5 +382,6 @@ def test_a_regions_unreadable_data_ends_the_streams_already_started(local_ray, t
     cfg = small_run(tmp_path, "stream-fails", [1, 1])
     with pytest.raises(Exception, match="no data under s3://nowhere"):
         start_streams(cfg, cfg.regions, [lambda: ray.data.range(8), no_dataset], None)
-    with pytest.raises(ValueError):  # Ray knows no live actor by that name
-        ray.get_actor(run_actor_name("stream", cfg, "r0"))
+    for region in ("r0", "r1"):  # the started one, and the one whose data failed (alive until ended)
+        with pytest.raises(ValueError):  # Ray knows no live actor by that name
+            ray.get_actor(run_actor_name("stream", cfg, region))

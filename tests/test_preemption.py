@@ -209,3 +209,21 @@ def test_a_rounds_estimate_is_the_round_as_the_actor_timed_it_where_the_workers_
     # blocking: the exchange, which waited for the shards too, is the longer
     assert round_estimate(12.0, {"seconds": 11.0}, checkpoint_seconds=2.0) == 14.0
     assert round_estimate(3.0, {}, checkpoint_seconds=0.0) == 3.0  # a rank other than 0 (its value is not used)
+
+
+@pytest.mark.parametrize("ended_early, looks_first, found, known, told, looked", [
+    (True, True, False, False, True, False),    # a window ended early stands under a notice: no look
+    (True, False, False, False, True, False),
+    (False, True, True, False, True, True),     # overlap: the look before the exchange finds one
+    (False, True, False, False, False, True),
+    (False, True, False, True, True, True),     # overlap: looked (a widened notice), known anyway
+    (False, False, False, True, True, False),   # blocking: an earlier look found it, told with the hand-in
+    (False, False, True, False, False, False),  # blocking, none known: no look before the exchange
+    (False, False, False, False, False, False),
+])
+def test_the_workers_tell_a_notice_with_the_hand_in_where_they_know_it(ended_early, looks_first, found, known,
+                                                                        told, looked):
+    looks = []
+    assert preemption.told_with_hand_in(ended_early, looks_first, lambda: looks.append(1) or found,
+                                        lambda: known) is told
+    assert bool(looks) is looked  # each look is a barrier of every rank: taken exactly where the rule says

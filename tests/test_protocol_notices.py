@@ -209,9 +209,9 @@ def outlived_a_known_notice(schedule: Schedule, rules: Rules = Rules()) -> list[
 
 @st.composite
 def known_notice_then_a_late_round(draw) -> Schedule:
-    """Two regions; a's notice comes late in one of its windows, seen at a mid-window look, its deadline up to 6 s
-    after a's hand-in, and that window b is late (a spike of its own): the round outlasts the one before it, which
-    the workers took for its length when they trained on."""
+    """Two regions; a's notice comes late in one of its windows (a mid-window look may find it), its deadline up to
+    6 s after a's hand-in, and in that window b is late (a spike of its own, again every `late + 1` windows): the
+    round outlasts the one before it, which the workers took for its length when they trained on."""
     window, late = draw(st.floats(20.0, 60.0)), draw(st.integers(1, 3))
     handed_in = (late + 1) * window  # a's hand-in of that window (its rounds before took no time: b on time)
     at = draw(st.floats(handed_in - window / 2, handed_in))
@@ -222,7 +222,7 @@ def known_notice_then_a_late_round(draw) -> Schedule:
                     checkpoint_every=draw(st.sampled_from([0, 1, 2])))
 
 
-# Found by the search below for the old rule (116 schedules): a's mid-window look finds the notice (deadline 46.7 s)
+# Found by a search for the old rule (an earlier form of the strategy): a's mid-window look finds the notice (deadline 46.7 s)
 # and it trains on; it hands in at 42.0 s, b is 42 s late, and the deadline comes before the first look in the round.
 KNOWN_NOTICE_OUTLIVED = Schedule(
     (RegionPlan("a", 20.6407, notices=((38.2374, 8.5084),)), RegionPlan("b", 20.6407, jitter=(0.0, 42.4315))),

@@ -60,6 +60,9 @@ def test_storage_under_a_file_is_refused_naming_the_file(tmp_path):
         with pytest.raises(ConfigError, match=rf"^--checkpoint-path: {afile} is a file, not a directory; give a "
                                               r"directory \(made where missing\)$"):
             claim_storage(run_in(bucket, "a"))
+    results_only = dataclasses.replace(run_in(tmp_path, "a"), checkpoint_path=None, output_dir=str(afile))
+    with pytest.raises(ConfigError, match=rf"^--output-dir: {afile} is a file, not a directory"):
+        claim_storage(results_only)
 
 
 def test_a_second_driver_is_refused_while_the_first_renews_and_starts_once_it_released(tmp_path):

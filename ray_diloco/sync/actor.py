@@ -101,7 +101,10 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         except BaseException:
             # Ray calls nothing on an actor whose constructor raised: Hivemind's daemon would be left to die with
             # the process, and its socket files under /tmp for good.
-            self.shutdown()
+            try:
+                self.shutdown()
+            except Exception:  # the constructor's own error is the one to raise
+                logger.warning("[%s] shutting down a SyncActor that failed to start failed too", region, exc_info=True)
             raise
         metrics.safely(metrics.record_event, cfg.run.name, region, "sync_actor_started")
         metrics.safely(metrics.record_outer_step, cfg.run.name, region, self.outer.step_count)
@@ -351,7 +354,8 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         step now reached (ahead of the workers' count after a re-sync), the rank's rows, and whether to stop there
         (the same answer for every rank). `notice`: a preemption notice stands (the same on every rank), so the
         workers checkpoint this round and it must not overlap (ray_diloco/preemption.py); told where outer.overlap
-        is on or the window ended early, else the workers look for a notice after the round. `hand_in_checkpoint`:
+        is on, the window ended early or an earlier look found the notice, else the workers look for one while
+        the round waits and after it. `hand_in_checkpoint`:
         the worker checkpoint the workers saved before this call under that notice; committed here as the round
         ends (`policy.commits_hand_in_checkpoint`), before any rank is answered and whether or not the group is
         still there (a deadline may end it while the round waits for the other regions)."""

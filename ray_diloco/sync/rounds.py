@@ -58,7 +58,9 @@ class PendingRound:
     stop_agreed: bool | None = None  # the round's decision (policy.stops_after_round); None: it did not end
     reached: int = 0  # the outer step the workers go on from
     overlapped: bool = False  # the round runs while the workers train on (outer.overlap)
-    notice: bool = False  # a preemption notice stands (told under outer.overlap or a window ended early): no overlap
+    # a preemption notice stands (told under outer.overlap, a window ended early, or known from an earlier look):
+    # no overlap
+    notice: bool = False
     hand_in_checkpoint: str | None = None  # the workers' checkpoint saved under that notice, for the round's state
     round_from: int | None = None  # the outer step its own round started from, blocking (None: overlapped, or none)
     idle_after: float = 0.0  # seconds from the round's start to the time the others' deadline counts from
