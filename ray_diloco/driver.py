@@ -39,8 +39,7 @@ from ray_diloco.resources import EVALUATOR_CPUS, check_cluster
 from ray_diloco.run_setup import PreparedRun, prepare_run, resume_plan, training_groups
 from ray_diloco.run_storage import held_regions
 from ray_diloco.methods.settings import describe_outer
-from ray_diloco.lifecycle import (RELEASE_SECONDS, RegionAborted, fit_in_background, release_all, wait_for_groups,
-                                   wait_until_dead)
+from ray_diloco.lifecycle import RELEASE_SECONDS, RegionAborted, end_actors, fit_in_background, wait_for_groups
 from ray_diloco.stopping import RunStop, RunStopped
 from ray_diloco.sync.actor import SyncActor
 from ray_diloco.sync.secret import read_secret
@@ -140,8 +139,7 @@ def start_sync_actors(cfg: ExperimentConfig, resume: dict[str, int | None], reco
     except BaseException:
         # The caller gets no handle to end them by: the ones that started (their Hivemind running) end here,
         # or they outlive the failed start in any driver process that lives on.
-        release_all([(a, "shutdown") for a in actors])
-        wait_until_dead(actors)
+        end_actors([(a, "shutdown") for a in actors])
         raise
     return actors
 
@@ -172,8 +170,7 @@ def start_streams(cfg: ExperimentConfig, groups: list[RegionConfig], recipes: li
         ready, _ = ray.wait(prepared, num_returns=len(prepared), timeout=STREAM_PREPARE_SECONDS)
         ray.get(ready)
     except BaseException:  # (a stop during start-up too) the caller gets no handle to end them by
-        release_all([(s, "close") for s in streams])
-        wait_until_dead(streams)
+        end_actors([(s, "close") for s in streams])
         raise
     return streams
 
@@ -337,9 +334,8 @@ def train_groups(cfg: ExperimentConfig, groups: list[RegionConfig], resume: dict
             live.stop()
         # Each ends itself first (Hivemind's processes, Ray Data's reader threads), then is killed, then waited
         # for: a run leaves no process behind (a RegionStream once outlived its run by minutes).
-        release_all([(a, "shutdown") for a in actors] + [(s, "close") for s in streams]
-                    + [(evaluator, None), (counters, None)])
-        left = wait_until_dead([*actors, *streams, evaluator, counters])
+        left = end_actors([(a, "shutdown") for a in actors] + [(s, "close") for s in streams]
+                          + [(evaluator, None), (counters, None)])
         if left:
             logger.warning("%d actor(s) of run %s still alive %.0f s after the run", len(left), cfg.run.name,
                            RELEASE_SECONDS)

@@ -119,6 +119,12 @@ def release_all(actors: list[tuple[Any, str | None]]) -> None:
                 logger.warning("ray.kill of a run actor failed: %s", error)
 
 
+def end_actors(actors: list[tuple[Any, str | None]]) -> list[Any]:
+    """`release_all`, then `wait_until_dead`: the actors still alive after that (None entries are skipped)."""
+    release_all(actors)
+    return wait_until_dead([actor for actor, _ in actors])
+
+
 def wait_until_dead(actors: list[Any], timeout: float = RELEASE_SECONDS) -> list[Any]:
     """The actors still alive after `timeout` (an empty list once Ray reports every one dead)."""
     pending = [a for a in actors if a is not None]
