@@ -58,6 +58,15 @@ def test_files_without_a_text_field_name_the_file(tmp_path):
     assert one_line_error(DataConfig(eval_path=no_text)).startswith(f"--eval-data: {no_text}: none of its first 20")
 
 
+def test_an_empty_file_is_called_empty(tmp_path):
+    # Not "none of its first 0 records": an empty (or all-blank) file has no records to look at.
+    for name, content in [("a.json.gz", gzip.compress(b"")), ("b.jsonl", b"\n \n")]:
+        (tmp_path / name).write_bytes(content)
+        message = one_line_error(DataConfig(path=str(tmp_path / name)))
+        assert message == (f"--data: {tmp_path / name}: the file is empty (no records): give files in the "
+                           "allenai/c4 json.gz layout (one {\"text\": ...} per line)")
+
+
 def test_each_region_s_first_file_is_read(tmp_path):
     good = [json.dumps({"text": f"doc {i}"}) for i in range(5)]
     write_gz(tmp_path / "a.json.gz", good)

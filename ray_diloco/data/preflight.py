@@ -56,12 +56,14 @@ def _check_first_records(flag: str, file: str) -> None:
         lines = first_lines(file, FIRST_RECORDS)
     except (OSError, ValueError) as error:  # e.g. not gzip data behind a .gz name
         raise ConfigError(f"{flag}: {file}: cannot read it: {error}") from error
+    layout = "give files in the allenai/c4 json.gz layout (one {\"text\": ...} per line)"
+    if not lines:  # first_lines keeps no blank line: an empty file, or one of blank lines only
+        raise ConfigError(f"{flag}: {file}: the file is empty (no records): {layout}")
     texts, skipped = parse_c4_lines(lines)
     if not texts:
         raise ConfigError(
-            f"{flag}: {file}: none of its first {skipped} records has a string 'text' field "
-            f"({skipped} skipped): give files in the allenai/c4 json.gz layout (one {{\"text\": ...}} per line)"
-        )
+            f"{flag}: {file}: none of its first {skipped} records has a string 'text' field ({skipped} skipped): "
+            f"{layout}")
 
 
 def first_lines(file: str, count: int) -> list[str]:
