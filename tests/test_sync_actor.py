@@ -403,7 +403,8 @@ def test_refused_peers_are_reported_once_each_up_to_a_bound_and_all_counted(tmp_
 
 
 def test_routine_events_log_at_info_and_the_rest_at_warning(caplog):
-    """A healthy run's start-up and resizes are not warnings; a refused peer or a failed checkpoint is."""
+    """A healthy run's start-up, resizes and a restart that continued AdamW are not warnings; a refused peer, a
+    failed checkpoint or AdamW started anew is."""
     import logging
     from types import SimpleNamespace
 
@@ -412,12 +413,14 @@ def test_routine_events_log_at_info_and_the_rest_at_warning(caplog):
     region = SimpleNamespace(events=[], region="region-a", outer=SimpleNamespace(step_count=3),
                              config=SimpleNamespace(run=SimpleNamespace(name="levels")))
     with caplog.at_level(logging.INFO, logger="ray_diloco.sync.actor"):
-        for kind in ("hivemind_started", "peer_connected", "group_resized", "peer_rejected", "checkpoint_failed"):
+        for kind in ("hivemind_started", "peer_connected", "group_resized", "inner_state_restored", "peer_rejected",
+                     "checkpoint_failed", "inner_state_reset"):
             SyncActorImpl.record_event(region, kind)
     levels = {record.getMessage().split("'event': '")[1].split("'")[0]: record.levelno for record in caplog.records}
     info, warning = logging.INFO, logging.WARNING
     assert levels == {"hivemind_started": info, "peer_connected": info, "group_resized": info,
-                      "peer_rejected": warning, "checkpoint_failed": warning}
+                      "inner_state_restored": info, "peer_rejected": warning, "checkpoint_failed": warning,
+                      "inner_state_reset": warning}
     assert [e["event"] for e in region.events] == list(levels)
 
 

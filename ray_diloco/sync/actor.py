@@ -59,9 +59,11 @@ from ray_diloco.sync.rounds import PendingRound, Rounds, poison_factor_for_test
 from ray_diloco.sync.scheduling import RoundScheduling
 
 logger = logging.getLogger(__name__)
-# Events of a healthy run (start-up, a peer met, an outage over, a resume, an autoscaler's resize): logged at INFO.
-# Every other event is something a user may need to act on, at WARNING.
-ROUTINE_EVENTS = frozenset({"hivemind_started", "peer_connected", "dht_recovered", "resumed", "group_resized"})
+# Events of a healthy run (start-up, a peer met, an outage over, a resume, an autoscaler's resize, a restarted
+# group that continued AdamW from its checkpoint): logged at INFO. Every other event is something a user may need
+# to act on (inner_state_reset: AdamW started anew), at WARNING.
+ROUTINE_EVENTS = frozenset({"hivemind_started", "peer_connected", "dht_recovered", "resumed", "group_resized",
+                            "inner_state_restored"})
 REPORTED_PEERS = 64  # refused (peer, what) pairs reported as events; the rest are counted
 
 
