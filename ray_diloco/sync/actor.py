@@ -91,7 +91,9 @@ class SyncActorImpl(Membership, RoundScheduling, Rounds, CompressedRounds, Check
         self._init_round_state(record_rounds, evaluator)
         bootstrap = list(initial_peers or cfg.outer.initial_peers)
         if not bootstrap and peers_from:
-            bootstrap = ray.get(peers_from[0])
+            # A plain wait (no method of this actor can run before its constructor returns, so nothing waits on
+            # the event loop); ray.get here would print Ray's "blocking ray.get inside async actor" on every run.
+            bootstrap = peers_from[0].future().result()
         self.averager = self.sharer = self.payloads = None  # what `shutdown` ends, as far as it got
         try:
             self._start_hivemind(bootstrap, secret)
