@@ -20,6 +20,7 @@ from ray_diloco.data.packing import parse_c4_lines
 FIRST_RECORDS = 20
 _CHUNK = 1 << 16
 _MAX_BYTES = 64 << 20  # a file of one endless line must not be read whole
+_LAYOUT = "give files in the allenai/c4 json.gz layout (one {\"text\": ...} per line)"  # what each error asks for
 
 
 def check_data(cfg: DataConfig, num_regions: int, seed: int) -> list[list[str]]:
@@ -56,14 +57,13 @@ def _check_first_records(flag: str, file: str) -> None:
         lines = first_lines(file, FIRST_RECORDS)
     except (OSError, ValueError) as error:  # e.g. not gzip data behind a .gz name
         raise ConfigError(f"{flag}: {file}: cannot read it: {error}") from error
-    layout = "give files in the allenai/c4 json.gz layout (one {\"text\": ...} per line)"
     if not lines:  # first_lines keeps no blank line: an empty file, or one of blank lines only
-        raise ConfigError(f"{flag}: {file}: the file is empty (no records): {layout}")
+        raise ConfigError(f"{flag}: {file}: the file is empty (no records): {_LAYOUT}")
     texts, skipped = parse_c4_lines(lines)
     if not texts:
         raise ConfigError(
             f"{flag}: {file}: none of its first {skipped} records has a string 'text' field ({skipped} skipped): "
-            f"{layout}")
+            f"{_LAYOUT}")
 
 
 def first_lines(file: str, count: int) -> list[str]:
